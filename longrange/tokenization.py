@@ -168,6 +168,16 @@ def _byte_char_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
         ) from err
 
 
+def is_byte_tokenizer(tokenizer: PreTrainedTokenizerFast) -> bool:
+    """True for a one-token-per-byte tokenizer whose id of byte b is b (what `byte_tokenizer()` builds and saves)."""
+    table = bytes_to_unicode()
+    vocab = tokenizer.get_vocab()
+    if any(vocab.get(table[b]) != b for b in range(256)):
+        return False
+    special = set(tokenizer.all_special_tokens)
+    return all(token in special or len(token) == 1 for token in vocab)
+
+
 def encode_bytes(tokenizer: PreTrainedTokenizerFast, data: bytes) -> list[int]:
     """Token ids for arbitrary bytes, valid UTF-8 or not; never produces special-token ids.
 
@@ -177,6 +187,8 @@ def encode_bytes(tokenizer: PreTrainedTokenizerFast, data: bytes) -> list[int]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"encode_bytes takes bytes, got {type(data).__name__}; encode str with the tokenizer itself")
     data = bytes(data)
+    if is_byte_tokenizer(tokenizer):
+        return list(data)  # the byte tokenizer's id of byte b is b (checked just above)
     byte_ids = _byte_char_ids(tokenizer)
     ids: list[int] = []
     start = 0

@@ -10,6 +10,7 @@ from longrange.tokenization import (
     decode_bytes,
     encode_bytes,
     gpt2_tokenizer,
+    is_byte_tokenizer,
     load_tokenizer,
     train_bpe_tokenizer,
 )
@@ -112,3 +113,9 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         load_tokenizer("./does/not/exist")
     with pytest.raises(TypeError, match="takes bytes"):
         encode_bytes(byte_tokenizer(), "a str")
+
+
+def test_is_byte_tokenizer_survives_save_and_reload(saved):
+    assert is_byte_tokenizer(saved["byte"][1])
+    assert not is_byte_tokenizer(saved["bpe"][1])
+    assert not is_byte_tokenizer(saved["gpt2"][1])
