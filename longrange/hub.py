@@ -1,0 +1,208 @@
+"""Sharing a trained model: the model card, the exact folder that goes to the Hub, and the upload.
+
+A folder written by `save_pretrained` of a longrange model already holds what a user needs without our package:
+`model.safetensors`, `config.json` with `auto_map`, and the modeling files (copied because `longrange/__init__.py`
+registers the classes for the Auto classes). `prepare_hub_folder` rewrites such a folder into a clean upload folder
+(plus tokenizer and model card), and `push_folder` uploads it with `huggingface_hub`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+MODEL_NAMES = {
+    "compressive": "Compressive Transformer",
+    "sinkhorn": "Sinkhorn Transformer",
+}
+PAPERS = {
+    "compressive": "Rae et al., 2020, *Compressive Transformers for Long-Range Sequence Modelling* (arXiv:1911.05507)",
+    "sinkhorn": "Tay et al., 2020, *Sparse Sinkhorn Attention* (arXiv:2002.11296)",
+}
+# config fields worth a line in the card (the full config.json sits next to it)
+CARD_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "segment_length",
+    "memory_length",
+    "compressed_memory_length",
+    "compression_rate",
+    "compression_function",
+    "bucket_size",
+    "sinkhorn_iterations",
+    "n_positions",
+    "n_embd",
+    "n_layer",
+    "n_head",
+)
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_model_card(
+    folder: str | Path,
+    *,
+    model=None,
+    tokenizer=None,
+    dataset: str | None = None,
+    metrics: Mapping[str, float] | None = None,
+    training_args: Mapping[str, Any] | None = None,
+    repo_id: str | None = None,
+    extra: str | None = None,
+) -> Path:
+    """Write `folder/README.md`, the Hub model card, and return its path.
+
+    folder: a `save_pretrained` folder; its `config.json` is read when `model` is not given.
+    model / tokenizer: optional live objects (parameter count, tokenizer class and vocabulary size).
+    dataset: a sentence on the training data, e.g. "tinyshakespeare.txt, first 90% by position".
+    metrics: name -> value, e.g. {"validation bits per character": 1.62}.
+    training_args: the options training ran with (anything JSON-serialisable), shown as a table.
+    repo_id: the Hub name used in the usage snippet (the folder path when absent).
+    extra: markdown appended at the end.
+    """
+    folder = Path(folder)
+    if model is not None:
+        config = model.config.to_dict()
+    else:
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"write_model_card: {config_file} not found; pass `model=` or a save_pretrained folder"
+            )
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    model_type = config.get("model_type", "unknown")
+    name = MODEL_NAMES.get(model_type, model_type)
+    load_name = repo_id or str(folder)
+
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags:",
+        "- longrange",
+        f"- {model_type}",
+        "- custom_code",
+        "---",
+        "",
+        f"# {repo_id.split('/')[-1] if repo_id else name}",
+        "",
+        f"A {name} language model built with [longrange](https://pypi.org/project/longrange-transformers/)"
+        " (the Compressive Transformer and the Sinkhorn Transformer as Hugging Face transformers models).",
+    ]
+    if model_type in PAPERS:
+        lines += ["", f"Paper: {PAPERS[model_type]}."]
+
+    lines += ["", "## Training data", "", dataset or "Not recorded."]
+
+    lines += ["", "## Configuration", "", "| field | value |", "| --- | --- |"]
+    lines += [f"| `{key}` | {_format_value(config[key])} |" for key in CARD_CONFIG_FIELDS if key in config]
+    if model is not None:
+        lines.append(f"| parameters | {sum(p.numel() for p in model.parameters()):,} |")
+    if tokenizer is not None:
+        lines.append(f"| tokenizer | {type(tokenizer).__name__}, {len(tokenizer)} tokens |")
+    lines += ["", "The full configuration is `config.json`."]
+
+    if training_args:
+        lines += ["", "## Training", "", "| option | value |", "| --- | --- |"]
+        lines += [f"| `{key}` | {_format_value(value)} |" for key, value in training_args.items()]
+
+    lines += ["", "## Metrics", ""]
+    if metrics:
+        lines += ["| metric | value |", "| --- | --- |"]
+        lines += [f"| {key} | {_format_value(value)} |" for key, value in metrics.items()]
+    else:
+        lines.append("Not recorded.")
+
+    lines += [
+        "",
+        "## Usage",
+        "",
+        "The modeling code ships with the weights, so `trust_remote_code=True` is all you need"
+        " (with `pip install longrange-transformers` and `import longrange` it is not needed at all).",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{load_name}", trust_remote_code=True)',
+        f'tokenizer = AutoTokenizer.from_pretrained("{load_name}")',
+        'inputs = tokenizer("First Citizen:", return_tensors="pt")',
+        "output = model.generate(**inputs, max_new_tokens=100, do_sample=True, top_k=40)",
+        "print(tokenizer.decode(output[0]))",
+        "```",
+    ]
+    if extra:
+        lines += ["", extra]
+    card = folder / "README.md"
+    card.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return card
+
+
+def prepare_hub_folder(
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    card: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write into `out_dir` exactly what `push_folder` uploads, from a saved model folder (or Hub id) `source`.
+
+    The model is loaded and saved again, so the upload always has safetensors weights, `auto_map` in config.json and
+    the modeling code next to them, whatever wrote `source`. The tokenizer in `source` is saved alongside. The model
+    card is `source/README.md` when there is one and `card` is None; otherwise it is written from `card` (keyword
+    arguments of `write_model_card`).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import longrange  # noqa: F401  registers the longrange classes with the Auto classes
+
+    source_path, out_dir = Path(source), Path(out_dir)
+    if source_path.exists() and not (source_path / "config.json").is_file():
+        raise FileNotFoundError(f"{source} has no config.json: give a folder written by save_pretrained")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} is not empty; the upload folder must hold only what is uploaded")
+    model = AutoModelForCausalLM.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+    model.save_pretrained(out_dir)  # safetensors by default in transformers 5
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"{source} has no tokenizer; save one there with tokenizer.save_pretrained") from err
+    tokenizer.save_pretrained(out_dir)
+    if card is None and (source_path / "README.md").is_file():
+        shutil.copyfile(source_path / "README.md", out_dir / "README.md")
+    else:
+        write_model_card(out_dir, model=model, tokenizer=tokenizer, **(card or {}))
+    return out_dir
+
+
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str = "Upload longrange model",
+) -> str:
+    """Create `repo_id` on the Hub (if needed) and upload `folder` to it; returns the commit URL."""
+    from huggingface_hub import create_repo, upload_folder
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"{folder} lacks config.json or safetensors weights: prepare it with prepare_hub_folder"
+        )
+    create_repo(repo_id, private=private, token=token, exist_ok=True, repo_type="model")
+    info = upload_folder(
+        repo_id=repo_id, folder_path=str(folder), token=token, commit_message=commit_message, repo_type="model"
+    )
+    return str(getattr(info, "commit_url", info))
