@@ -24,7 +24,8 @@ def attend(
     dropout: float = 0.0,
     implementation: str = "sdpa",
     scale: float | None = None,
-) -> torch.Tensor:
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention used by every attention layer of the package.
 
     query: [..., q_len, d_head]; key/value: [..., k_len, d_head]
@@ -43,7 +44,8 @@ def attend(
         neg = torch.finfo(query.dtype).min
         fill = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, neg)
         additive = fill if additive is None else (additive + fill).clamp_min(neg)
-    if implementation == "sdpa":
+    probs = None
+    if implementation == "sdpa" and not return_weights:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, dropout_p=dropout, scale=scale)
     else:
         scores = torch.matmul(query, key.transpose(-1, -2)) * scale
@@ -56,6 +58,10 @@ def attend(
         # a query with no visible key attends to nothing: output exactly zero
         any_visible = mask.any(dim=-1, keepdim=True)
         out = out * any_visible.to(out.dtype)
+        if probs is not None:
+            probs = probs * any_visible.to(probs.dtype)
+    if return_weights:
+        return out, probs
     return out
 
 
