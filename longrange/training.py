@@ -1,0 +1,148 @@
+"""Pieces shared by the training scripts: schedule, streaming evaluation, curves, samples, checkpointed state.
+
+Nothing here is imported by the modeling files, so a saved model never depends on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
+    """Learning-rate multiplier for `torch.optim.lr_scheduler.LambdaLR`: linear warm-up, then cosine to `min_ratio`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def carries_cache(config) -> bool:
+    """Whether a model keeps a memory that should be carried from one window to the next (Compressive)."""
+    return getattr(config, "model_type", None) == "compressive"
+
+
+def lm_loss_of(output) -> torch.Tensor:
+    """The language-model part of a model output: `lm_loss` where the model reports it separately, else `loss`."""
+    lm = getattr(output, "lm_loss", None)
+    return output.loss if lm is None else lm
+
+
+@torch.no_grad()
+def evaluate_stream(
+    model, batches: Iterable[torch.Tensor], *, carry_cache: bool, bytes_per_token: float, chars_per_token: float
+) -> dict[str, float]:
+    """Mean next-token loss over `batches` (from `data.eval_windows`), with the memory carried if `carry_cache`.
+
+    Returns loss (nats per token), perplexity, bits per token, bits per byte and bits per character. Bits per byte /
+    character use the split's bytes (characters) per token: exact for the byte tokenizer on ASCII text, the usual
+    approximation for sub-word tokenizers.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count, cache = 0.0, 0, None
+    for batch in batches:
+        batch = batch.to(device)
+        if carry_cache:
+            out = model(input_ids=batch, labels=batch, cache=cache, use_cache=True)
+            cache = out.cache
+        else:
+            out = model(input_ids=batch, labels=batch, use_cache=False)
+        predicted = batch.shape[0] * (batch.shape[1] - 1)  # labels are shifted inside the model
+        total += float(lm_loss_of(out)) * predicted
+        count += predicted
+    model.train(was_training)
+    loss = total / max(1, count)
+    bits = loss / math.log(2)
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bits_per_token": bits,
+        "bits_per_byte": bits / bytes_per_token,
+        "bits_per_char": bits / chars_per_token,
+    }
+
+
+class TrainState:
+    """The loop's own state for `accelerator.save_state`: the step (= the data position) and the curves so far."""
+
+    def __init__(self):
+        self.step = 0
+        self.tokens = 0
+        self.history: dict[str, list] = {"train": [], "validation": []}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens = int(state["tokens"])
+        self.history = state["history"]
+
+
+def plot_curves(history: dict[str, list], path, title: str = "") -> None:
+    """Training and validation loss (nats per token) against the optimizer step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    train = history.get("train", [])
+    if train:
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", alpha=0.8)
+        if any(r.get("reconstruction_loss") is not None for r in train):
+            ax.plot(
+                [r["step"] for r in train],
+                [r.get("reconstruction_loss") or 0.0 for r in train],
+                label="reconstruction loss",
+                alpha=0.6,
+            )
+    validation = history.get("validation", [])
+    if validation:
+        ax.plot([r["step"] for r in validation], [r["loss"] for r in validation], "o-", label="validation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def generate_samples(
+    model, tokenizer, prompts: list[str], *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40
+) -> list[str]:
+    """Sampled continuations of `prompts` (prompt included), decoded to text."""
+    from .tokenization import decode_bytes, encode_bytes
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    samples = []
+    for prompt in prompts:
+        ids = encode_bytes(tokenizer, prompt.encode("utf-8"))
+        if not ids:
+            ids = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0]
+        input_ids = torch.tensor([ids], device=device)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_k=top_k,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        samples.append(decode_bytes(tokenizer, out[0].tolist()).decode("utf-8", errors="replace"))
+    model.train(was_training)
+    return samples
