@@ -1,0 +1,159 @@
+"""Configuration of the Compressive Transformer (Rae et al. 2019).
+
+Every field is documented below and validated in `__post_init__`; a bad value raises `ValueError` naming the field
+and what is allowed, so the model itself can trust its config. The annotated seed's option names (`d_model`,
+`n_layers`, `heads`, `d_ff`, `dropout_prob`) are accepted as aliases of the transformers names.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+COMPRESSION_FUNCTIONS = ("conv1d", "max_pool", "mean_pool", "dilated_conv", "most_used")
+# compression functions with parameters: only these can be trained by a reconstruction loss
+TRAINABLE_COMPRESSION_FUNCTIONS = ("conv1d", "dilated_conv")
+RECONSTRUCTION_LOSSES = ("attention", "autoencoding", "none")
+LAYER_NORM_POSITIONS = ("pre", "post")
+
+
+class CompressiveConfig(PreTrainedConfig):
+    r"""
+    Args:
+        vocab_size (`int`, defaults to 256): number of token ids (256 = bytes).
+        hidden_size (`int`, defaults to 512): model width (seed: `d_model`).
+        num_hidden_layers (`int`, defaults to 6): number of layers (seed: `n_layers`).
+        num_attention_heads (`int`, defaults to 8): attention heads; must divide `hidden_size` (seed: `heads`).
+        intermediate_size (`int`, defaults to 2048): feed-forward inner width (seed: `d_ff`).
+        hidden_dropout (`float`, defaults to 0.0): dropout on embeddings and on each residual branch (seed:
+            `dropout_prob`).
+        attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities.
+        layer_norm_eps (`float`, defaults to 1e-5): LayerNorm epsilon.
+        initializer_range (`float`, defaults to 0.02): standard deviation of the normal weight initialisation.
+        tie_word_embeddings (`bool`, defaults to False): share the input embedding with the output projection.
+        use_cache (`bool`, defaults to True): return a `CompressiveMemoryCache` from forward when not told otherwise
+            (training never returns one unless `use_cache=True` is passed explicitly).
+        pad_token_id / bos_token_id / eos_token_id (`int`, optional): special token ids.
+        segment_length (`int`, defaults to 512): tokens per segment; longer inputs are processed segment by
+            segment, and memories are updated after each complete segment.
+        mem_len (`int`, defaults to 512): most (uncompressed) memories kept per layer.
+        c_mem_len (`int`, defaults to 128): most compressed memories kept per layer.
+        compression_rate (`int`, defaults to 4): `c`: evicted memories are compressed `c` to 1.
+        compression_function (`str`, defaults to `"conv1d"`): `f_c`, one per layer: `"conv1d"` (kernel = stride
+            = c), `"max_pool"`, `"mean_pool"`, `"dilated_conv"` (kernel c, dilation 2, stride c) or `"most_used"`
+            (keep the evicted memories that received the most attention).
+        reconstruction_loss (`str`, defaults to `"attention"`): how `f_c` is trained: `"attention"` (attention
+            reconstruction with detached projections), `"autoencoding"` (a per-layer decoder reconstructs the
+            evicted memories) or `"none"`. Compression functions without parameters need `"none"`.
+        reconstruction_loss_weight (`float`, defaults to 1.0): weight of the reconstruction loss in `loss`.
+        layer_norm_position (`str`, defaults to `"pre"`): `"pre"` (the seed; memories stored un-normalised and
+            normalised when attended, plus a final norm) or `"post"` (the paper).
+        pkm_layers (`list[int]`, defaults to `()`): layer numbers, counted from 1 as in the seeds, whose
+            feed-forward is replaced by a product-key memory.
+        pkm_num_keys (`int`, defaults to 128): sub-keys per half of each product-key memory (num_keys ** 2 slots).
+        pkm_heads (`int`, defaults to 4): product-key memory heads.
+        pkm_topk (`int`, defaults to 32): slots selected per head and token; at most `pkm_num_keys`.
+    """
+
+    model_type = "compressive"
+    attribute_map = {
+        "d_model": "hidden_size",
+        "n_layers": "num_hidden_layers",
+        "heads": "num_attention_heads",
+        "d_ff": "intermediate_size",
+        "dropout_prob": "hidden_dropout",
+    }
+
+    vocab_size: int = 256
+    hidden_size: int = 512
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    intermediate_size: int = 2048
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    segment_length: int = 512
+    mem_len: int = 512
+    c_mem_len: int = 128
+    compression_rate: int = 4
+    compression_function: str = "conv1d"
+    reconstruction_loss: str = "attention"
+    reconstruction_loss_weight: float = 1.0
+    layer_norm_position: str = "pre"
+    pkm_layers: list[int] | tuple[int, ...] = ()
+    pkm_num_keys: int = 128
+    pkm_heads: int = 4
+    pkm_topk: int = 32
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)  # applies seed aliases passed as keyword arguments
+        self.pkm_layers = list(self.pkm_layers)
+        self._validate()
+
+    def _validate(self) -> None:
+        def positive_int(name: str, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+        def probability(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            positive_int(name)
+        for name in ("segment_length", "mem_len", "c_mem_len", "compression_rate", "pkm_num_keys", "pkm_heads"):
+            positive_int(name)
+        positive_int("pkm_topk")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.hidden_size % 2 != 0:
+            raise ValueError(f"hidden_size must be even (sinusoidal relative encodings), got {self.hidden_size}")
+        probability("hidden_dropout")
+        probability("attention_dropout")
+        for name in ("layer_norm_eps", "initializer_range"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive float, got {value!r}")
+        value = self.reconstruction_loss_weight
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"reconstruction_loss_weight must be a float >= 0, got {value!r}")
+        choice("compression_function", COMPRESSION_FUNCTIONS)
+        choice("reconstruction_loss", RECONSTRUCTION_LOSSES)
+        choice("layer_norm_position", LAYER_NORM_POSITIONS)
+        if self.reconstruction_loss != "none" and self.compression_function not in TRAINABLE_COMPRESSION_FUNCTIONS:
+            raise ValueError(
+                f"reconstruction_loss={self.reconstruction_loss!r} needs a compression_function with parameters "
+                f"{TRAINABLE_COMPRESSION_FUNCTIONS}; compression_function={self.compression_function!r} has none, "
+                "so use reconstruction_loss='none'"
+            )
+        for layer in self.pkm_layers:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= self.num_hidden_layers:
+                raise ValueError(
+                    f"pkm_layers entries must be layer numbers in 1..num_hidden_layers ({self.num_hidden_layers}), "
+                    f"got {self.pkm_layers!r}"
+                )
+        if len(set(self.pkm_layers)) != len(self.pkm_layers):
+            raise ValueError(f"pkm_layers must not repeat a layer, got {self.pkm_layers!r}")
+        if self.pkm_topk > self.pkm_num_keys:
+            raise ValueError(f"pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys})")
+        for name in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or a token id >= 0, got {value!r}")
+
+
+__all__ = ["CompressiveConfig"]

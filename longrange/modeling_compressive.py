@@ -1,0 +1,877 @@
+"""The Compressive Transformer (Rae et al. 2019) as a transformers model.
+
+Read top to bottom: the memory cache, the compression functions `f_c`, Transformer-XL relative attention, the
+decoder layer, the PreTrainedModel, the base model (which runs long inputs segment by segment and applies the
+memory schedule) and the causal LM head.
+
+Memory schedule (per layer, after every complete segment, without gradient):
+    mem = cat(mem, segment layer inputs)
+    if len(mem) > mem_len: the oldest ceil((len - mem_len) / c) * c entries are evicted, compressed c -> 1 by the
+    layer's f_c, appended to the compressed memory, which keeps its newest c_mem_len entries.
+Each layer attends over [compressed memory, memory, current segment]; memories are fully visible (where valid),
+the current segment causally. Tokens of an unfinished segment are kept in the cache ("pending") so that decoding
+one token at a time follows exactly the segmenting of a single forward over the whole sequence.
+
+Only same-folder relative imports: `save_pretrained` copies them next to the weights, so a saved folder loads
+with `trust_remote_code=True` where `longrange` is not installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput
+
+from .configuration_compressive import CompressiveConfig
+from .layers import FeedForward, attend, sinusoidal_embedding
+from .product_key_memory import ProductKeyMemory
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class CompressiveMemoryLayer:
+    """One layer's memories. Every tensor is detached; batch is always dimension 0.
+
+    c_mem [batch, c_len, hidden], mem [batch, m_len, hidden], pending [batch, p_len, hidden]: compressed memory,
+    memory and the layer inputs of the current unfinished segment, all un-normalised layer inputs. `*_valid`
+    [batch, len] bool marks slots that hold a real (non-padding) token. `mem_usage` / `pending_usage` [batch, len]
+    accumulate the attention each slot received (only for the "most_used" compression).
+    `keys` / `values` [batch, heads, c_len + m_len + p_len, d_head] are the projected keys/values of
+    [c_mem, mem, pending] and `rel_table` [max_keys, heads, d_head] the projected relative encodings; both are
+    kept only by inference (no-grad) forwards, so that decoding a token never re-projects the memory.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    _BATCHED = (
+        "c_mem",
+        "c_mem_valid",
+        "mem",
+        "mem_valid",
+        "mem_usage",
+        "pending",
+        "pending_valid",
+        "pending_usage",
+        "keys",
+        "values",
+    )
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        for name in self._BATCHED:
+            setattr(self, name, None)
+        self.rel_table = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.mem is None
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.mem is None else self.mem.shape[0]
+
+    def lengths(self) -> tuple[int, int, int]:
+        """(c_len, m_len, p_len)."""
+        return self.c_mem.shape[1], self.mem.shape[1], self.pending.shape[1]
+
+    def context(self) -> torch.Tensor:
+        # [batch, c_len + m_len + p_len, hidden]: what the current segment attends besides itself
+        return torch.cat([self.c_mem, self.mem, self.pending], dim=1)
+
+    def context_valid(self) -> torch.Tensor:
+        return torch.cat([self.c_mem_valid, self.mem_valid, self.pending_valid], dim=1)
+
+    def init_empty(self, reference: torch.Tensor, track_usage: bool) -> None:
+        batch, hidden = reference.shape[0], reference.shape[-1]
+        empty = reference.new_zeros(batch, 0, hidden)
+        no_slots = torch.zeros(batch, 0, dtype=torch.bool, device=reference.device)
+        self.c_mem, self.mem, self.pending = empty, empty, empty
+        self.c_mem_valid, self.mem_valid, self.pending_valid = no_slots, no_slots, no_slots
+        if track_usage:
+            self.mem_usage = reference.new_zeros(batch, 0, dtype=torch.float32)
+            self.pending_usage = self.mem_usage
+
+    def apply_to_batch(self, fn) -> None:
+        for name in self._BATCHED:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+
+class CompressiveMemoryCache(Cache):
+    """Memories and compressed memories of every layer, plus the number of tokens seen.
+
+    Its size is bounded by `mem_len + c_mem_len + segment_length` slots per layer, however long the sequence.
+    Returned in the model output's `cache` field; pass it back as `cache=` (or `past_key_values=`) to continue.
+    """
+
+    def __init__(self, num_hidden_layers: int):
+        super().__init__(layers=[CompressiveMemoryLayer() for _ in range(num_hidden_layers)])
+        self.seen_tokens = 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen so far (not the number of slots held, which stays bounded)."""
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def memory_slots(self) -> int:
+        """Slots held by one layer (compressed + memory + pending); bounded whatever the number of tokens seen."""
+        layer = self.layers[0]
+        return 0 if layer.is_empty else sum(layer.lengths())
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.seen_tokens = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            layer.apply_to_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for layer in self.layers:
+            layer.apply_to_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.apply_to_batch(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("CompressiveMemoryCache cannot be cropped: evicted memories are compressed")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compression functions f_c: [batch, n, hidden] evicted memories (n a multiple of c) -> [batch, n / c, hidden]
+# Each also maps the validity of the n slots to the n / c compressed slots (valid if any source was valid) and
+# only lets valid memories into the result.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _group_any(valid: torch.Tensor, rate: int) -> torch.Tensor:
+    # [batch, n] -> [batch, n / rate]: a compressed slot is valid if any of its sources was
+    return valid.view(valid.shape[0], -1, rate).any(dim=-1)
+
+
+class ConvCompression(nn.Module):
+    """1D convolution with kernel = stride = c (the paper's and the seed's best); invalid memories read as zero."""
+
+    def __init__(self, hidden_size: int, rate: int):
+        super().__init__()
+        self.rate = rate
+        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size=rate, stride=rate)
+
+    def forward(self, memories, valid, usage=None):
+        memories = memories * valid[..., None].to(memories.dtype)
+        compressed = self.conv(memories.transpose(1, 2)).transpose(1, 2)  # [batch, n / c, hidden]
+        return compressed, _group_any(valid, self.rate)
+
+
+class DilatedConvCompression(nn.Module):
+    """Dilated convolution: kernel c, dilation 2, stride c, left-padded with c - 1 zero slots, so compressed slot j
+    sees every second memory of the 2c - 1 ending at the end of its group (a wider, sparser field than conv1d)."""
+
+    def __init__(self, hidden_size: int, rate: int):
+        super().__init__()
+        self.rate = rate
+        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size=rate, stride=rate, dilation=2)
+
+    def forward(self, memories, valid, usage=None):
+        memories = memories * valid[..., None].to(memories.dtype)
+        padded = F.pad(memories.transpose(1, 2), (self.rate - 1, 0))  # [batch, hidden, n + c - 1]
+        compressed = self.conv(padded).transpose(1, 2)
+        # the same receptive field applied to the validity mask
+        valid_padded = F.pad(valid.to(memories.dtype)[:, None], (self.rate - 1, 0))
+        compressed_valid = F.max_pool1d(valid_padded, self.rate, self.rate, dilation=2)[:, 0] > 0
+        return compressed, compressed_valid
+
+
+class MaxPoolCompression(nn.Module):
+    """Max over each group of c valid memories (zero for an all-padding group)."""
+
+    def __init__(self, hidden_size: int, rate: int):
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, memories, valid, usage=None):
+        batch, n, hidden = memories.shape
+        groups = memories.masked_fill(~valid[..., None], float("-inf")).view(batch, n // self.rate, self.rate, hidden)
+        group_valid = _group_any(valid, self.rate)
+        compressed = groups.amax(dim=2).masked_fill(~group_valid[..., None], 0.0)
+        return compressed, group_valid
+
+
+class MeanPoolCompression(nn.Module):
+    """Mean over the valid memories of each group of c (zero for an all-padding group)."""
+
+    def __init__(self, hidden_size: int, rate: int):
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, memories, valid, usage=None):
+        batch, n, hidden = memories.shape
+        weights = valid.to(memories.dtype).view(batch, n // self.rate, self.rate, 1)
+        sums = (memories.view(batch, n // self.rate, self.rate, hidden) * weights).sum(dim=2)
+        counts = weights.sum(dim=2)
+        return sums / counts.clamp_min(1.0), counts[..., 0] > 0
+
+
+class MostUsedCompression(nn.Module):
+    """Keeps the n / c evicted memories that received the most attention while in memory, in temporal order."""
+
+    def __init__(self, hidden_size: int, rate: int):
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, memories, valid, usage):
+        keep = memories.shape[1] // self.rate
+        score = usage.float().masked_fill(~valid, float("-inf"))
+        chosen = score.topk(keep, dim=1).indices.sort(dim=1).values  # [batch, n / c]
+        compressed = memories.gather(1, chosen[..., None].expand(-1, -1, memories.shape[-1]))
+        return compressed, valid.gather(1, chosen)
+
+
+COMPRESSION_CLASSES = {
+    "conv1d": ConvCompression,
+    "dilated_conv": DilatedConvCompression,
+    "max_pool": MaxPoolCompression,
+    "mean_pool": MeanPoolCompression,
+    "most_used": MostUsedCompression,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def relative_shift(scores: torch.Tensor) -> torch.Tensor:
+    """[..., q_len, k_len] scores against relative encodings ordered by distance k_len - 1 ... 0 ->
+    [..., q_len, k_len] where entry (i, j) is the score for distance (k_len - q_len + i) - j.
+
+    Transformer-XL's pad-and-reshape trick: entry (i, j) comes from column j + q_len - 1 - i. Entries with
+    j > k_len - q_len + i (future keys) hold unrelated values; the causal mask removes them.
+    """
+    *batch, q_len, k_len = scores.shape
+    padded = F.pad(scores, (1, 0))  # [..., q_len, k_len + 1]
+    padded = padded.view(*batch, k_len + 1, q_len)
+    return padded[..., 1:, :].reshape(*batch, q_len, k_len)
+
+
+class CompressiveAttention(nn.Module):
+    """Transformer-XL relative multi-head attention over [compressed memory, memory, segment].
+
+    score(i, j) = (q_i + u) . k_j + (q_i + v) . r_{i - j}, with r the projected sinusoidal encoding of the
+    distance. The content part runs through `attend` as the query/key product, the position part is passed as an
+    additive bias, so the sdpa kernel does the softmax and the weighted sum.
+    """
+
+    def __init__(self, config: CompressiveConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        self.dropout = config.attention_dropout
+        self.implementation = config._attn_implementation or "sdpa"
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.kv_proj = nn.Linear(config.hidden_size, 2 * config.hidden_size, bias=False)
+        self.r_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.content_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))  # u
+        self.position_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))  # v
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        # [batch, len, hidden] -> [batch, heads, len, d_head]
+        return x.view(x.shape[0], x.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def project_kv(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.kv_proj(normed).chunk(2, dim=-1)
+        return self.split_heads(keys), self.split_heads(values)  # [batch, heads, len, d_head] each
+
+    def project_relative(self, sinusoid: torch.Tensor) -> torch.Tensor:
+        # [len, hidden] -> [len, heads, d_head]
+        return self.r_proj(sinusoid).view(-1, self.num_heads, self.head_dim)
+
+    def forward(
+        self,
+        query_input: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        relative: torch.Tensor,
+        mask: torch.Tensor,
+        need_weights: bool = False,
+    ):
+        """query_input [batch, q, hidden] (normalised segment inputs); keys/values [batch, heads, K, d_head] over
+        [c_mem, mem, pending, segment]; relative [K, heads, d_head] for distances K-1 ... 0; mask [batch, 1, q, K]."""
+        batch, q_len, hidden = query_input.shape
+        query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
+        # position scores: (q + v) . r for every distance, then shifted to (query, key) pairs
+        position = torch.matmul(query + self.position_bias[:, None], relative.permute(1, 2, 0))  # [b, h, q, K]
+        position = relative_shift(position) * self.scale
+        result = attend(
+            query + self.content_bias[:, None],
+            keys,
+            values,
+            mask=mask,
+            bias=position,
+            dropout=self.dropout if self.training else 0.0,
+            implementation=self.implementation,
+            scale=self.scale,
+            return_weights=need_weights,
+        )
+        out, weights = result if need_weights else (result, None)
+        out = out.transpose(1, 2).reshape(batch, q_len, hidden)
+        return self.o_proj(out), weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoder layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _detached_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's attention norm applied with detached parameters (the reconstruction loss must not train it)."""
+    if isinstance(norm, nn.LayerNorm):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight.detach(), norm.bias.detach(), norm.eps)
+    return norm(x)  # Identity (post-LN): nothing to detach
+
+
+class CompressiveDecoderLayer(GradientCheckpointingLayer):
+    """Attention over memories and segment, then feed-forward (or product-key memory), pre- or post-LN.
+
+    The LayerNorm placement is chosen once here: with "pre" the `*_input_norm`s are LayerNorms (also applied to
+    the stored, un-normalised memories) and the `*_output_norm`s are identities; with "post" the other way round.
+    Each layer owns its compression function `f_c` and, for the auto-encoding loss, its decoder.
+    """
+
+    def __init__(self, config: CompressiveConfig, layer_idx: int):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_eps
+        pre = config.layer_norm_position == "pre"
+        self.attn_input_norm = nn.LayerNorm(hidden, eps=eps) if pre else nn.Identity()
+        self.attn_output_norm = nn.Identity() if pre else nn.LayerNorm(hidden, eps=eps)
+        self.ff_input_norm = nn.LayerNorm(hidden, eps=eps) if pre else nn.Identity()
+        self.ff_output_norm = nn.Identity() if pre else nn.LayerNorm(hidden, eps=eps)
+        self.attention = CompressiveAttention(config)
+        if layer_idx + 1 in config.pkm_layers:
+            self.feed_forward = ProductKeyMemory(
+                hidden, num_keys=config.pkm_num_keys, heads=config.pkm_heads, topk=config.pkm_topk
+            )
+        else:
+            self.feed_forward = FeedForward(hidden, config.intermediate_size, dropout=config.hidden_dropout)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.compress = COMPRESSION_CLASSES[config.compression_function](hidden, config.compression_rate)
+        self.decompress = (
+            nn.ConvTranspose1d(hidden, hidden, config.compression_rate, stride=config.compression_rate)
+            if config.reconstruction_loss == "autoencoding"
+            else None
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        memory_keys: torch.Tensor | None = None,
+        memory_values: torch.Tensor | None = None,
+        relative: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ):
+        """hidden_states [batch, q, hidden]: this chunk's layer inputs. Either `memory` [batch, M, hidden] (raw
+        [c_mem, mem, pending], projected here so the LM loss trains the key/value projection) or the already
+        projected `memory_keys` / `memory_values` [batch, heads, M, d_head] (inference). Memories are passed under
+        these names, never `cache`, so gradient checkpointing keeps them.
+        Returns (output [batch, q, hidden], chunk keys, chunk values, attention probabilities or None)."""
+        q_len = hidden_states.shape[1]
+        if memory is not None:
+            normed = self.attn_input_norm(torch.cat([memory, hidden_states], dim=1))  # [batch, M + q, hidden]
+            keys, values = self.attention.project_kv(normed)
+            query_input = normed[:, -q_len:]
+            new_keys, new_values = keys[:, :, -q_len:], values[:, :, -q_len:]
+        else:
+            query_input = self.attn_input_norm(hidden_states)
+            new_keys, new_values = self.attention.project_kv(query_input)
+            keys = torch.cat([memory_keys, new_keys], dim=2)
+            values = torch.cat([memory_values, new_values], dim=2)
+        attn_out, weights = self.attention(query_input, keys, values, relative, attention_mask, need_weights)
+        hidden_states = self.attn_output_norm(hidden_states + self.dropout(attn_out))
+        ff_out = self.feed_forward(self.ff_input_norm(hidden_states))
+        hidden_states = self.ff_output_norm(hidden_states + self.dropout(ff_out))
+        return hidden_states, new_keys, new_values, weights
+
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [batch, heads, len, d_head] of stored (un-normalised) memories."""
+        return self.attention.project_kv(self.attn_input_norm(memory))
+
+    def attention_reconstruction_loss(
+        self,
+        segment: torch.Tensor,
+        segment_valid: torch.Tensor,
+        evicted: torch.Tensor,
+        evicted_valid: torch.Tensor,
+        compressed: torch.Tensor,
+        compressed_valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """MSE between attending (without positions) from the segment to the evicted memories and to their
+        compression. Every weight is used detached (`F.linear` on `.detach()`ed tensors, never by switching
+        `requires_grad`), and all inputs but `compressed` are detached, so only f_c receives this gradient."""
+        attention = self.attention
+        query = F.linear(_detached_norm(self.attn_input_norm, segment.detach()), attention.q_proj.weight.detach())
+        query = attention.split_heads(query)  # [batch, heads, s, d_head]
+
+        def keys_values(memories):
+            kv = F.linear(_detached_norm(self.attn_input_norm, memories), attention.kv_proj.weight.detach())
+            keys, values = kv.chunk(2, dim=-1)
+            return attention.split_heads(keys), attention.split_heads(values)
+
+        with torch.no_grad():
+            target = attend(query, *keys_values(evicted.detach()), mask=evicted_valid[:, None, None, :])
+        prediction = attend(query, *keys_values(compressed), mask=compressed_valid[:, None, None, :])
+        return _masked_mse(prediction.transpose(1, 2), target.transpose(1, 2), segment_valid)
+
+    def autoencoding_loss(self, evicted: torch.Tensor, evicted_valid: torch.Tensor, compressed: torch.Tensor):
+        """MSE between the evicted memories and their reconstruction from the compressed ones (trains f_c and
+        the decoder only: the evicted memories are detached)."""
+        decoded = self.decompress(compressed.transpose(1, 2)).transpose(1, 2)  # [batch, n, hidden]
+        return _masked_mse(decoded, evicted.detach(), evicted_valid)
+
+
+def _masked_mse(prediction: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    # prediction/target [batch, len, ...]; valid [batch, len]: mean squared error over valid positions only
+    weights = valid.to(prediction.dtype).view(*valid.shape, *([1] * (prediction.dim() - 2)))
+    squared = (prediction.float() - target.float()).pow(2) * weights
+    count = weights.sum() * prediction[0, 0].numel()
+    return squared.sum() / count.clamp_min(1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompressiveModelOutput(ModelOutput):
+    """last_hidden_state [batch, seq, hidden]; cache (when use_cache); hidden_states (embeddings + each layer's
+    output, when asked); reconstruction_loss (training with a reconstruction loss, once compression happened)."""
+
+    last_hidden_state: torch.FloatTensor | None = None
+    cache: CompressiveMemoryCache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    reconstruction_loss: torch.FloatTensor | None = None
+
+
+@dataclass
+class CompressiveCausalLMOutput(ModelOutput):
+    """loss = lm_loss + reconstruction_loss_weight * reconstruction_loss (what Trainer optimises); lm_loss and
+    reconstruction_loss separately for logging; logits [batch, seq, vocab]; cache; hidden_states."""
+
+    loss: torch.FloatTensor | None = None
+    lm_loss: torch.FloatTensor | None = None
+    reconstruction_loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache: CompressiveMemoryCache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+class CompressivePreTrainedModel(PreTrainedModel):
+    config_class = CompressiveConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["CompressiveDecoderLayer"]
+    _supports_sdpa = True
+    _is_stateful = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # Linear, Conv1d, ConvTranspose1d, Embedding, LayerNorm
+        if isinstance(module, CompressiveAttention):
+            init.zeros_(module.content_bias)
+            init.zeros_(module.position_bias)
+        elif isinstance(module, ProductKeyMemory):
+            module.reset_parameters()  # its own keys/values scheme (the Linear/LayerNorm inside are done above)
+
+
+class CompressiveModel(CompressivePreTrainedModel):
+    """Embeddings, the decoder layers and the final norm; runs any input length segment by segment."""
+
+    def __init__(self, config: CompressiveConfig):
+        super().__init__(config)
+        if (config._attn_implementation or "sdpa") not in ("sdpa", "eager"):
+            raise ValueError(
+                f"attn_implementation must be 'sdpa' or 'eager' for the Compressive model, got "
+                f"{config._attn_implementation!r}"
+            )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(CompressiveDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        # pre-LN needs a final norm; post-LN outputs are already normalised
+        pre = config.layer_norm_position == "pre"
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else nn.Identity()
+        self.track_usage = config.compression_function == "most_used"
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: CompressiveMemoryCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: CompressiveMemoryCache | None = None,
+        **kwargs,
+    ) -> CompressiveModelOutput | tuple:
+        config = self.config
+        if kwargs.get("output_attentions"):
+            raise ValueError("output_attentions is not supported by the Compressive model")
+        if cache is None:
+            cache = past_key_values
+        if cache is not None and not isinstance(cache, CompressiveMemoryCache):
+            raise TypeError(f"cache must be a CompressiveMemoryCache, got {type(cache).__name__}")
+        if use_cache is None:
+            use_cache = config.use_cache and not self.training
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        return_dict = return_dict if return_dict is not None else config.return_dict
+
+        hidden_states = self._embed(input_ids, inputs_embeds)  # [batch, seq, hidden]
+        batch, seq_len, _ = hidden_states.shape
+        if cache is None:
+            cache = CompressiveMemoryCache(config.num_hidden_layers)
+        elif not cache.layers[0].is_empty and cache.layers[0].batch_size != batch:
+            raise ValueError(f"cache holds batch size {cache.layers[0].batch_size}, inputs have batch size {batch}")
+        if cache.layers[0].is_empty:
+            for layer_state in cache.layers:
+                layer_state.init_empty(hidden_states.detach(), self.track_usage)
+        valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
+
+        # projected memories are reused only when nothing is trained (weights cannot change under a no-grad call)
+        reuse_projections = not torch.is_grad_enabled()
+        if not reuse_projections:
+            for layer_state in cache.layers:
+                layer_state.keys = layer_state.values = layer_state.rel_table = None
+
+        all_hidden = [hidden_states] if output_hidden_states else None
+        outputs, per_layer_outputs = [], [[] for _ in self.layers] if output_hidden_states else None
+        reconstruction_losses = []
+        start = 0
+        while start < seq_len:
+            # chunks end at segment boundaries counted over all tokens seen, so that any split of a sequence into
+            # calls (one forward, segment-wise calls, or token-by-token decoding) gives the same segmenting
+            pending_len = cache.layers[0].pending.shape[1]
+            end = min(seq_len, start + config.segment_length - pending_len)
+            chunk_out, chunk_hidden = self._forward_chunk(
+                hidden_states[:, start:end], valid[:, start:end], cache, reuse_projections, reconstruction_losses
+            )
+            outputs.append(chunk_out)
+            if output_hidden_states:
+                for layer_outputs, h in zip(per_layer_outputs, chunk_hidden):
+                    layer_outputs.append(h)
+            start = end
+
+        hidden_states = self.norm(torch.cat(outputs, dim=1))
+        if output_hidden_states:
+            all_hidden.extend(torch.cat(h, dim=1) for h in per_layer_outputs[:-1])
+            all_hidden.append(hidden_states)
+        reconstruction_loss = torch.stack(reconstruction_losses).mean() if reconstruction_losses else None
+        result = CompressiveModelOutput(
+            last_hidden_state=hidden_states,
+            cache=cache if use_cache else None,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            reconstruction_loss=reconstruction_loss,
+        )
+        return result if return_dict else result.to_tuple()
+
+    def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+            if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+                raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)})")
+            if input_ids.dtype.is_floating_point:
+                raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in [{low}, {high}]"
+                )
+            inputs_embeds = self.embed_tokens(input_ids)
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(
+                    f"inputs_embeds must be [batch, seq, {self.config.hidden_size}], got {tuple(inputs_embeds.shape)}"
+                )
+            if inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
+                raise ValueError(f"inputs_embeds is empty (shape {tuple(inputs_embeds.shape)})")
+        return self.dropout(inputs_embeds)
+
+    @staticmethod
+    def _token_validity(attention_mask, batch, seq_len, seen, device) -> torch.Tensor:
+        """[batch, seq] bool for the new tokens. The mask may cover only the new tokens or, as generate() passes
+        it, every token seen so far plus the new ones; the cache already holds the validity of the older ones."""
+        if attention_mask is None:
+            return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+        if (
+            attention_mask.dim() != 2
+            or attention_mask.shape[0] != batch
+            or attention_mask.shape[1]
+            not in (
+                seq_len,
+                seen + seq_len,
+            )
+        ):
+            raise ValueError(
+                f"attention_mask must be [batch={batch}, {seq_len}] (new tokens) or [batch={batch}, "
+                f"{seen + seq_len}] (all tokens so far), got shape {tuple(attention_mask.shape)}"
+            )
+        return attention_mask[:, -seq_len:].to(device=device, dtype=torch.bool)
+
+    def _forward_chunk(self, hidden_states, valid, cache, reuse_projections, reconstruction_losses):
+        """One chunk (the rest of the current segment at most) through every layer, then the memory update of each
+        layer if the chunk completes the segment."""
+        config = self.config
+        q_len = hidden_states.shape[1]
+        first = cache.layers[0]
+        key_valid = torch.cat([first.context_valid(), valid], dim=1)  # [batch, K]: the same for every layer
+        k_len = key_valid.shape[1]
+        # query i sits at key position k_len - q_len + i: memories and earlier segment tokens visible, future not
+        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=valid.device).tril(k_len - q_len)
+        mask = key_valid[:, None, None, :] & causal  # [batch, 1, q, K]
+        completes_segment = first.pending.shape[1] + q_len == config.segment_length
+        distances = torch.arange(k_len - 1, -1, -1, device=valid.device)
+        sinusoid = None
+        if not reuse_projections:
+            sinusoid = sinusoidal_embedding(distances, config.hidden_size).to(hidden_states.dtype)  # [K, hidden]
+
+        layer_outputs = []
+        for layer, state in zip(self.layers, cache.layers):
+            if reuse_projections:
+                if state.rel_table is None:
+                    max_keys = config.c_mem_len + config.mem_len + config.segment_length
+                    table = sinusoidal_embedding(torch.arange(max_keys, device=valid.device), config.hidden_size)
+                    state.rel_table = layer.attention.project_relative(table.to(hidden_states.dtype))
+                if state.keys is None:
+                    state.keys, state.values = layer.project_memory(state.context())
+                relative = state.rel_table[:k_len].flip(0)  # [K, heads, d_head], distances K-1 ... 0
+                out, new_keys, new_values, weights = layer(
+                    hidden_states,
+                    memory_keys=state.keys,
+                    memory_values=state.values,
+                    relative=relative,
+                    attention_mask=mask,
+                    need_weights=self.track_usage,
+                )
+            else:
+                out, new_keys, new_values, weights = layer(
+                    hidden_states,
+                    memory=state.context(),
+                    relative=layer.attention.project_relative(sinusoid),
+                    attention_mask=mask,
+                    need_weights=self.track_usage,
+                )
+            self._store_chunk(layer, state, hidden_states.detach(), valid, new_keys, new_values, weights)
+            if completes_segment:
+                loss = self._update_memory(layer, state)
+                if loss is not None:
+                    reconstruction_losses.append(loss)
+            layer_outputs.append(out)
+            hidden_states = out
+        cache.seen_tokens += q_len
+        return hidden_states, layer_outputs
+
+    def _store_chunk(self, layer, state, inputs, valid, new_keys, new_values, weights) -> None:
+        """Append the chunk's layer inputs to the pending segment (and its keys/values when reusing projections);
+        accumulate attention received per slot for the most-used compression."""
+        if weights is not None:
+            # [batch, heads, q, K] -> attention received by each key slot from the chunk's real tokens
+            received = (weights.detach().float() * valid[:, None, :, None]).sum(dim=(1, 2))
+            c_len, m_len, p_len = state.lengths()
+            state.mem_usage = state.mem_usage + received[:, c_len : c_len + m_len]
+            pending_usage = state.pending_usage + received[:, c_len + m_len : c_len + m_len + p_len]
+            state.pending_usage = torch.cat([pending_usage, received[:, c_len + m_len + p_len :]], dim=1)
+        state.pending = torch.cat([state.pending, inputs], dim=1)
+        state.pending_valid = torch.cat([state.pending_valid, valid], dim=1)
+        if state.keys is not None:
+            state.keys = torch.cat([state.keys, new_keys.detach()], dim=2)
+            state.values = torch.cat([state.values, new_values.detach()], dim=2)
+
+    def _update_memory(self, layer, state) -> torch.Tensor | None:
+        """The schedule after a complete segment: mem = cat(mem, segment); evict the oldest
+        ceil((len - mem_len) / c) * c into f_c; c_mem keeps its newest c_mem_len entries."""
+        config = self.config
+        rate = config.compression_rate
+        c_len, m_len, _ = state.lengths()
+        segment, segment_valid = state.pending, state.pending_valid
+        memory = torch.cat([state.mem, segment], dim=1)
+        memory_valid = torch.cat([state.mem_valid, segment_valid], dim=1)
+        usage = torch.cat([state.mem_usage, state.pending_usage], dim=1) if self.track_usage else None
+        keys = values = None
+        if state.keys is not None:
+            keys, values = state.keys[:, :, c_len:], state.values[:, :, c_len:]  # of [mem, segment]
+        overflow = memory.shape[1] - config.mem_len
+        n_evict = -(-overflow // rate) * rate if overflow > 0 else 0
+        loss = None
+        if n_evict > 0:
+            evicted, evicted_valid = memory[:, :n_evict], memory_valid[:, :n_evict]
+            train_compression = self.training and torch.is_grad_enabled() and config.reconstruction_loss != "none"
+            with torch.set_grad_enabled(train_compression):
+                compressed, compressed_valid = layer.compress(
+                    evicted, evicted_valid, None if usage is None else usage[:, :n_evict]
+                )
+            if train_compression:
+                if config.reconstruction_loss == "attention":
+                    loss = layer.attention_reconstruction_loss(
+                        segment, segment_valid, evicted, evicted_valid, compressed, compressed_valid
+                    )
+                else:
+                    loss = layer.autoencoding_loss(evicted, evicted_valid, compressed)
+            compressed = compressed.detach()
+            state.c_mem = torch.cat([state.c_mem, compressed], dim=1)[:, -config.c_mem_len :]
+            state.c_mem_valid = torch.cat([state.c_mem_valid, compressed_valid], dim=1)[:, -config.c_mem_len :]
+            memory, memory_valid = memory[:, n_evict:], memory_valid[:, n_evict:]
+            if usage is not None:
+                usage = usage[:, n_evict:]
+            if keys is not None:
+                c_keys, c_values = layer.project_memory(compressed)
+                keys, values = keys[:, :, n_evict:], values[:, :, n_evict:]
+                c_keys = torch.cat([state.keys[:, :, :c_len], c_keys], dim=2)[:, :, -config.c_mem_len :]
+                c_values = torch.cat([state.values[:, :, :c_len], c_values], dim=2)[:, :, -config.c_mem_len :]
+                keys, values = torch.cat([c_keys, keys], dim=2), torch.cat([c_values, values], dim=2)
+        elif keys is not None:
+            keys = torch.cat([state.keys[:, :, :c_len], keys], dim=2)
+            values = torch.cat([state.values[:, :, :c_len], values], dim=2)
+        state.mem, state.mem_valid = memory, memory_valid
+        state.pending, state.pending_valid = segment[:, :0], segment_valid[:, :0]
+        if usage is not None:
+            state.mem_usage, state.pending_usage = usage, usage[:, :0]
+        state.keys, state.values = keys, values
+        return loss
+
+
+class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: CompressiveConfig):
+        super().__init__(config)
+        self.model = CompressiveModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache holds memories, not keys/values: forward creates a CompressiveMemoryCache
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: CompressiveMemoryCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: CompressiveMemoryCache | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CompressiveCausalLMOutput | tuple:
+        """labels [batch, seq] are shifted here (HF convention; -100 ignored): position t predicts labels[t + 1],
+        over the whole input, across segment boundaries. `num_items_in_batch` (from Trainer) normalises the sum."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)  # [batch, seq, vocab]
+
+        loss = lm_loss = None
+        reconstruction_loss = outputs.reconstruction_loss
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
+            shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+            shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
+            if num_items_in_batch is None:
+                lm_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+            else:
+                lm_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+                lm_loss = lm_loss / torch.as_tensor(num_items_in_batch, device=lm_loss.device)
+            loss = lm_loss
+            if reconstruction_loss is not None:
+                loss = lm_loss + self.config.reconstruction_loss_weight * reconstruction_loss
+        result = CompressiveCausalLMOutput(
+            loss=loss,
+            lm_loss=lm_loss,
+            reconstruction_loss=reconstruction_loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+        )
+        return result if return_dict else result.to_tuple()
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        cache: CompressiveMemoryCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        next_sequence_length: int | None = None,
+        is_first_iteration: bool | None = False,
+        past_key_values: CompressiveMemoryCache | None = None,
+        **kwargs,
+    ) -> dict:
+        """Feeds only the tokens the cache has not seen; the (full-length) attention mask is mapped onto the
+        bounded memory inside forward."""
+        cache = cache if cache is not None else past_key_values
+        seen = cache.get_seq_length() if cache is not None else 0
+        model_inputs = {"cache": cache, "attention_mask": attention_mask, "use_cache": use_cache}
+        if inputs_embeds is not None and seen == 0 and is_first_iteration:
+            model_inputs.update(input_ids=None, inputs_embeds=inputs_embeds)
+        elif next_sequence_length is not None:
+            model_inputs["input_ids"] = input_ids[:, -next_sequence_length:]
+        else:
+            model_inputs["input_ids"] = input_ids[:, seen:] if seen else input_ids
+        for key in ("output_hidden_states", "return_dict"):
+            if key in kwargs:
+                model_inputs[key] = kwargs[key]
+        return model_inputs
+
+
+__all__ = [
+    "CompressiveForCausalLM",
+    "CompressiveMemoryCache",
+    "CompressiveModel",
+    "CompressivePreTrainedModel",
+]
