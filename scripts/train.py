@@ -357,15 +357,25 @@ def main(argv=None) -> dict:
     bar.close()
     elapsed = time.perf_counter() - started
     save_checkpoint()
+    replica_diff = replica_difference(accelerator, accelerator.unwrap_model(model))
 
     # ---- final artefacts -----------------------------------------------------------------------------------------
     result = {"output_dir": str(output_dir), "steps": state.step, "parameters": n_params}
+    if world > 1:
+        log(f"replicas: largest difference between the processes' weight fingerprints {replica_diff:.3g}")
     if main_process:
         unwrapped = accelerator.unwrap_model(model)
         final = output_dir / "model"
         unwrapped.save_pretrained(final)
         tokenizer.save_pretrained(final)
-        metrics = dict(last_eval or {})
+        if not state.history["validation"] or state.history["validation"][-1]["step"] != state.step:
+            last_eval = evaluate_stream(
+                unwrapped, eval_batches, carry_cache=carries_cache(config),
+                bytes_per_token=streams.bytes_per_token("validation"),
+                chars_per_token=streams.chars_per_token("validation"),
+            )  # fmt: skip
+            state.history["validation"].append({"step": state.step, **last_eval})
+        metrics = dict(last_eval)
         test_ids = streams.ids["test"]
         if len(test_ids) >= args.window:
             test = evaluate_stream(
@@ -376,6 +386,8 @@ def main(argv=None) -> dict:
             metrics.update({f"test_{k}": v for k, v in test.items()})
         trained_tokens = (state.step - started_step) * tokens_per_step
         metrics["train_tokens_per_s"] = trained_tokens / max(1e-9, elapsed)
+        metrics["processes"] = world
+        metrics["replica_max_difference"] = replica_diff
         result["metrics"] = metrics
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         write_card(final, unwrapped, tokenizer, corpus, metrics, args)
@@ -396,6 +408,23 @@ def main(argv=None) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
+
+
+@torch.no_grad()
+def replica_difference(accelerator, model) -> float:
+    """Largest difference between the processes' fingerprints of the weights (0.0 when the replicas agree).
+
+    Each parameter is reduced to its sum, sum of squares and a sum weighted by fixed pseudo-random numbers (float64),
+    so identical weights give identical fingerprints and a single differing entry shows up.
+    """
+    rows = []
+    for i, p in enumerate(model.parameters()):
+        flat = p.detach().double().flatten()
+        weights = torch.sin(torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.7 + i)
+        rows.append(torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()]))
+    fingerprint = torch.stack(rows)[None]  # [1, parameters, 3]
+    everyone = accelerator.gather(fingerprint)  # [processes, parameters, 3]
+    return float((everyone - everyone[:1]).abs().max())
 
 
 def write_card(folder: Path, model, tokenizer, corpus, metrics: dict, args) -> None:

@@ -1,0 +1,203 @@
+"""scripts/train.py: exact resume, accumulation = data parallelism, carried memories, the main-job command."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+SHAKESPEARE = SHARED / "tinyshakespeare.txt"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+os.environ.update({k: ENV[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM")})
+ENV["OMP_NUM_THREADS"] = "1"  # tiny models on a shared 2-core machine: one thread each avoids oversubscription
+torch.set_num_threads(1)
+
+TINY = {
+    "compressive": [
+        "hidden_size=32",
+        "num_hidden_layers=2",
+        "num_attention_heads=2",
+        "intermediate_size=64",
+        "segment_length=16",
+        "mem_len=16",
+        "c_mem_len=8",
+        "compression_rate=2",
+    ],
+    "sinkhorn": [
+        "hidden_size=32",
+        "num_hidden_layers=2",
+        "num_attention_heads=2",
+        "intermediate_size=64",
+        "bucket_size=8",
+        "max_position_embeddings=64",
+    ],
+}
+
+
+def _load_train_module():
+    spec = importlib.util.spec_from_file_location("longrange_train_script", REPO / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train = _load_train_module()
+
+
+def run(output_dir, *extra, model="compressive", config=()):
+    """One in-process run of scripts/train.py on Tiny Shakespeare with a tiny model (Accelerate state reset first)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    argv = [
+        "--model", model, "--data", str(SHAKESPEARE), "--window", "32", "--batch_size", "2",
+        "--eval_every", "0", "--eval_tokens", "1024", "--num_samples", "0", "--learning_rate", "3e-3",
+        "--output_dir", str(output_dir), "--config", *TINY[model], *config, *extra,
+    ]  # fmt: skip
+    return train.main(argv)
+
+
+def weights(output_dir) -> dict[str, torch.Tensor]:
+    return load_file(Path(output_dir) / "model" / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "model,config",
+    [("compressive", ["hidden_dropout=0.1", "attention_dropout=0.1"]), ("sinkhorn", ["ff_dropout=0.1"])],
+)
+def test_resume_from_a_checkpoint_gives_the_uninterrupted_weights(tmp_path, model, config):
+    # dropout on: the resumed run must also restore the random number generators to match
+    common = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--save_every", "2"]
+    whole = run(tmp_path / "whole", *common, model=model, config=config)
+    assert (tmp_path / "whole" / "checkpoints" / "step_2").is_dir()
+    resumed = run(
+        tmp_path / "resumed",
+        *common,
+        "--resume_from",
+        str(tmp_path / "whole" / "checkpoints" / "step_2"),
+        model=model,
+        config=config,
+    )
+    assert whole["steps"] == resumed["steps"] == 4
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "resumed")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # the check can fail: the weights at the checkpoint (two steps fewer) differ from the final ones
+    at_checkpoint = load_file(tmp_path / "whole" / "checkpoints" / "step_2" / "model.safetensors")
+    assert any(not torch.equal(a[n], at_checkpoint[n]) for n in a)
+
+
+def test_accumulation_over_rows_equals_one_bigger_batch(tmp_path):
+    # the single-process twin of the two-process test: 2 micro-steps of 2 rows == 1 step of 4 rows (memories carried)
+    run(tmp_path / "big", "--max_steps", "3", "--batch_size", "4")
+    run(tmp_path / "acc", "--max_steps", "3", "--batch_size", "2", "--gradient_accumulation_steps", "2")
+    a, b = weights(tmp_path / "big"), weights(tmp_path / "acc")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
+
+
+def test_streaming_training_carries_the_memory_across_steps(tmp_path):
+    run(tmp_path / "carry", "--max_steps", "3", "--save_every", "0")
+    caches = torch.load(
+        tmp_path / "carry" / "checkpoints" / "step_3" / "stream_cache_rank0.pt", weights_only=False, map_location="cpu"
+    )
+    (cache,) = caches  # one accumulation micro-step -> one carried memory
+    assert cache.get_seq_length() == 3 * 32  # every token of the three steps went through the memory
+    layer = cache.layers[0]
+    assert layer.mem.shape[:2] == (2, 16) and not layer.mem.requires_grad  # full memory, detached
+    assert layer.c_mem.shape[1] > 0  # compression has started
+    # the memory is used: without carrying it, the same data gives other weights
+    run(tmp_path / "fresh", "--max_steps", "3", "--no-carry_cache")
+    a, b = weights(tmp_path / "carry"), weights(tmp_path / "fresh")
+    assert any(not torch.equal(a[n], b[n]) for n in a)
+
+
+def test_streamed_rows_are_contiguous_text_and_the_model_reads_its_memory():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import longrange  # noqa: F401
+    from longrange.data import StreamBatcher
+
+    raw = SHAKESPEARE.read_bytes()[:20_000]
+    batcher = StreamBatcher(np.frombuffer(raw, dtype=np.uint8).astype(np.int64), 32, 2)
+    first, second = batcher.batch(0), batcher.batch(1)
+    lane = len(raw) // 2
+    for b in range(2):
+        assert bytes(first[b].tolist()) + bytes(second[b].tolist()) == raw[b * lane : b * lane + 64]
+    fields = dict(item.split("=") for item in TINY["compressive"])
+    config = AutoConfig.for_model("compressive", vocab_size=259, **{k: int(v) for k, v in fields.items()})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        carried = model(input_ids=first, use_cache=True).cache
+        with_memory = model(input_ids=second, cache=carried, use_cache=True).logits
+        without = model(input_ids=second, use_cache=True).logits
+        together = model(input_ids=torch.cat([first, second], 1)).logits[:, 32:]
+    assert not torch.allclose(with_memory, without)
+    torch.testing.assert_close(with_memory, together, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_window_and_bad_data_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match="shorter than one segment_length"):
+        run(tmp_path / "w", "--max_steps", "1", "--window", "8")
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        train.main(["--data", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "m"), "--max_steps", "1"])
+
+
+def test_main_job_command_writes_folder_plot_and_samples(tmp_path):
+    # the README's main job (`python scripts/train.py`) with a step limit; everything else at its defaults
+    out = tmp_path / "main-job"
+    cmd = [sys.executable, "scripts/train.py", "--max_steps", "3", "--eval_tokens", "4096", "--sample_tokens", "24",
+           "--output_dir", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = out / "model"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
+        assert (folder / name).is_file(), name
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    samples = (out / "samples.txt").read_text()
+    assert samples.count("=== sample") == 3 and "prompt 'def '" in samples
+    assert "=== sample 1" in proc.stdout and "done: 3 steps" in proc.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert np.isfinite(metrics["bits_per_byte"]) and np.isfinite(metrics["test_bits_per_byte"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import longrange  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert model.config.model_type == "compressive" and len(tokenizer) == model.config.vocab_size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["compressive", "sinkhorn"])
+def test_two_processes_equal_one_process_with_accumulation(tmp_path, model):
+    args = ["scripts/train.py", "--model", model, "--data", str(SHAKESPEARE), "--window", "32", "--batch_size", "2",
+            "--max_steps", "3", "--eval_every", "0", "--eval_tokens", "1024", "--num_samples", "0", "--cpu",
+            "--learning_rate", "3e-3", "--config", *TINY[model]]  # fmt: skip
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]  # fmt: skip
+    env = {**ENV, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([*launch, *args, "--output_dir", str(tmp_path / "two")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, *args, "--gradient_accumulation_steps", "2", "--output_dir",
+                          str(tmp_path / "one")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert metrics["processes"] == 2 and metrics["replica_max_difference"] == 0.0  # both ranks hold the same weights
+    a, b = weights(tmp_path / "two"), weights(tmp_path / "one")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
