@@ -1,0 +1,269 @@
+"""Configuration of the Sinkhorn Transformer (Tay et al. 2020, "Sparse Sinkhorn Attention").
+
+Every option of the sinkhorn-transformer package is available under its own name: the transformers names are the
+canonical fields and the package's names (`num_tokens`, `dim`, `depth`, `heads`, `max_seq_len`) are aliases.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PreTrainedConfig
+
+# keys that PreTrainedConfig (or save_pretrained / from_pretrained / EncoderDecoderModel) may pass besides our fields
+_GENERIC_KEYS = {
+    "auto_map",
+    "num_labels",
+    "output_attentions",
+    "attn_implementation",
+    "experts_implementation",
+    "torch_dtype",
+    "name_or_path",
+    "_name_or_path",
+    "tokenizer_class",
+    "prefix",
+    "task_specific_params",
+    "finetuning_task",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cross_attention_hidden_size",
+    "per_layer_config",
+    "model_type",
+    "_commit_hash",
+    "rope_scaling",
+    "rope_theta",
+    "tie_encoder_decoder",
+    "pruned_heads",
+    "chunk_size_feed_forward",
+    "_attn_implementation_internal",
+    "_experts_implementation_internal",
+}
+
+
+class SinkhornConfig(PreTrainedConfig):
+    r"""
+    Configuration of [`SinkhornModel`], [`SinkhornForCausalLM`] and [`SinkhornForMaskedLM`].
+
+    Model size
+        vocab_size (alias `num_tokens`): number of token ids.
+        hidden_size (alias `dim`): width of the residual stream.
+        num_hidden_layers (alias `depth`): number of layers.
+        num_attention_heads (alias `heads`): attention heads per layer.
+        dim_head: width of one head; default `hidden_size // num_attention_heads`. Setting it decouples the head
+            width from `hidden_size` (the attention projects to `heads * dim_head` and back).
+        intermediate_size: feed-forward inner width; default `4 * hidden_size`.
+        ff_glu: gated (GEGLU) feed-forward.
+        emb_dim: factorised embeddings (ALBERT): tokens and positions are embedded in `emb_dim` and projected to
+            `hidden_size`; the language-model head projects back to `emb_dim` before the (tied) output embedding.
+        max_position_embeddings (alias `max_seq_len`): number of learned absolute positions; longer inputs raise.
+
+    Sinkhorn attention
+        bucket_size: tokens per bucket. Inputs of any length are padded to a multiple internally (padding masked,
+            output trimmed).
+        causal: autoregressive attention (required by `SinkhornForCausalLM`; `is_decoder` is an alias).
+        n_top_buckets: key buckets each query bucket attends besides its own, chosen by the sort net.
+        n_sortcut: SortCut (non-causal only). One summary of all queries chooses `n_sortcut` key buckets that every
+            query bucket attends (plus its own): memory linear in length. 0 = off.
+        use_simple_sort_net: the paper's sort net (learned projection of bucket sums, then Sinkhorn balancing)
+            instead of the default attention sort net (dot products of bucket summaries). Non-causal only.
+        sinkhorn_iter: Sinkhorn normalisation iterations, used when `non_permutative=False`.
+        sort_temperature (the seed's `temperature`, accepted as a constructor keyword only: as an attribute it
+            would be taken for the sampling temperature by `generate()`): temperature of the routing scores (Gumbel-Sinkhorn temperature when `non_permutative=False`;
+            otherwise the temperature of the softmax whose straight-through gradient trains the sort net).
+        non_permutative: True = each query bucket takes its top-scoring key buckets independently (a key bucket
+            may serve many query buckets); False = scores are balanced by Gumbel-Sinkhorn into a soft permutation
+            first (Gumbel noise only in training). False needs `causal=False`.
+        n_local_attn_heads: this many heads use local windowed attention (window = `bucket_size`, looking one
+            window back, and one ahead when non-causal) instead of Sinkhorn attention.
+        receives_context (alias `add_cross_attention`): layers also attend `encoder_hidden_states` (seed:
+            `context`), bucketed with `context_bucket_size`.
+        context_bucket_size: bucket size of the context; default `bucket_size`.
+        context_n_sortcut: context buckets each query bucket attends. 0 = `n_top_buckets`. A causal decoder routes
+            per query bucket from the bucket's leading token (no future leak); a non-causal one uses SortCut.
+
+    Memory savers
+        reversible: reversible residual layers (Reformer); activations recomputed in backward.
+        ff_chunks: the feed-forward runs over this many chunks of the sequence (1 = unchunked).
+        weight_tie: one set of layer weights shared by all layers (ALBERT); product-key layers keep their own memory.
+        layer_dropout: probability of skipping a whole layer in training ("Reducing Transformer Depth on Demand").
+        pkm_layers: 1-based layer numbers whose feed-forward is replaced by a product-key memory.
+        pkm_num_keys, pkm_topk, pkm_heads: product-key memory size (`pkm_num_keys ** 2` slots), slots read per
+            head, query heads.
+
+    Dropout
+        emb_dropout: after the embeddings. ff_dropout: inside the feed-forward. attn_dropout: on attention
+        probabilities. attn_layer_dropout: on the attention block output.
+
+    Training
+        randomly_truncate_sequence: `SinkhornForCausalLM` in training mode cuts every row at a random length and
+            left-aligns it to the end of the window (the seed's trick so the sort net learns partially filled
+            buckets). No effect in eval mode.
+
+    Misc: layer_norm_eps, initializer_range, use_cache, tie_word_embeddings, pad/bos/eos_token_id.
+    """
+
+    model_type = "sinkhorn"
+    attribute_map = {
+        "num_tokens": "vocab_size",
+        "dim": "hidden_size",
+        "depth": "num_hidden_layers",
+        "heads": "num_attention_heads",
+        "max_seq_len": "max_position_embeddings",
+        "is_decoder": "causal",
+        "add_cross_attention": "receives_context",
+    }
+
+    vocab_size: int = 20000
+    hidden_size: int = 512
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    dim_head: int | None = None
+    intermediate_size: int | None = None
+    ff_glu: bool = False
+    emb_dim: int | None = None
+    max_position_embeddings: int = 2048
+    bucket_size: int = 64
+    causal: bool = False
+    n_top_buckets: int = 2
+    n_sortcut: int = 0
+    use_simple_sort_net: bool = False
+    sinkhorn_iter: int = 5
+    sort_temperature: float = 0.75
+    non_permutative: bool = True
+    n_local_attn_heads: int = 0
+    receives_context: bool = False
+    context_bucket_size: int | None = None
+    context_n_sortcut: int = 0
+    reversible: bool = False
+    ff_chunks: int = 1
+    weight_tie: bool = False
+    layer_dropout: float = 0.0
+    pkm_layers: list[int] | tuple[int, ...] = ()
+    pkm_num_keys: int = 128
+    pkm_topk: int = 32
+    pkm_heads: int = 4
+    emb_dropout: float = 0.0
+    ff_dropout: float = 0.0
+    attn_dropout: float = 0.0
+    attn_layer_dropout: float = 0.0
+    randomly_truncate_sequence: bool = False
+    layer_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        fields = set(self.__dataclass_fields__)
+        unknown = sorted(
+            k
+            for k in kwargs
+            if k not in fields and k not in self.attribute_map and k not in _GENERIC_KEYS and k != "temperature"
+        )
+        if unknown:
+            raise ValueError(f"SinkhornConfig: unknown option(s) {unknown}")
+        # the seed's `temperature`: a generation parameter name, which PreTrainedConfig would drop, and which as an
+        # attribute would change sampling in generate(); stored as sort_temperature
+        if "temperature" in kwargs:
+            self.sort_temperature = kwargs.pop("temperature")
+        super().__post_init__(**kwargs)
+        self.pkm_layers = [int(i) for i in self.pkm_layers]
+        self.validate_sinkhorn()
+
+    # derived sizes ---------------------------------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim_head if self.dim_head is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def ff_size(self) -> int:
+        return self.intermediate_size if self.intermediate_size is not None else 4 * self.hidden_size
+
+    @property
+    def embedding_size(self) -> int:
+        return self.emb_dim if self.emb_dim is not None else self.hidden_size
+
+    @property
+    def context_bucket(self) -> int:
+        return self.context_bucket_size if self.context_bucket_size is not None else self.bucket_size
+
+    @property
+    def context_top(self) -> int:
+        return self.context_n_sortcut if self.context_n_sortcut > 0 else self.n_top_buckets
+
+    @property
+    def max_buckets(self) -> int:
+        return math.ceil(self.max_position_embeddings / self.bucket_size)
+
+    # validation ------------------------------------------------------------------------------------------------
+
+    def validate_sinkhorn(self) -> None:
+        """Raise ValueError naming the field(s) and the allowed values for every setting that cannot work."""
+
+        def positive(name):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SinkhornConfig: {name} must be a positive integer, got {value!r}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            positive(name)
+        for name in ("max_position_embeddings", "bucket_size", "n_top_buckets", "ff_chunks", "sinkhorn_iter"):
+            positive(name)
+        for name in ("pkm_num_keys", "pkm_topk", "pkm_heads"):
+            positive(name)
+        for name in ("dim_head", "intermediate_size", "emb_dim", "context_bucket_size"):
+            if getattr(self, name) is not None:
+                positive(name)
+        for name in ("n_sortcut", "context_n_sortcut", "n_local_attn_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"SinkhornConfig: {name} must be an integer >= 0, got {value!r}")
+        for name in ("emb_dropout", "ff_dropout", "attn_dropout", "attn_layer_dropout", "layer_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"SinkhornConfig: {name} must be in [0, 1), got {value!r}")
+        if not self.sort_temperature > 0:
+            raise ValueError(
+                f"SinkhornConfig: sort_temperature (temperature) must be > 0, got {self.sort_temperature!r}"
+            )
+        if self.dim_head is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"SinkhornConfig: hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}), or set dim_head"
+            )
+        if self.n_local_attn_heads > self.num_attention_heads:
+            raise ValueError(
+                f"SinkhornConfig: n_local_attn_heads ({self.n_local_attn_heads}) must not exceed "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.causal and self.n_sortcut > 0:
+            raise ValueError(
+                "SinkhornConfig: n_sortcut > 0 needs causal=False (one summary of all queries sees the future)"
+            )
+        if self.causal and self.use_simple_sort_net:
+            raise ValueError(
+                "SinkhornConfig: use_simple_sort_net=True needs causal=False (the Gumbel-Sinkhorn sort net "
+                "balances over all buckets and sees the future)"
+            )
+        if self.causal and not self.non_permutative:
+            raise ValueError(
+                "SinkhornConfig: non_permutative=False (Sinkhorn balancing) needs causal=False; "
+                "use non_permutative=True with causal=True"
+            )
+        bad = [i for i in self.pkm_layers if not 1 <= i <= self.num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"SinkhornConfig: pkm_layers are 1-based layer numbers in [1, {self.num_hidden_layers}], got {bad}"
+            )
+        if self.pkm_topk > self.pkm_num_keys:
+            raise ValueError(
+                f"SinkhornConfig: pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys})"
+            )
+        if self.ff_chunks > 1 and self.ff_chunks > self.max_position_embeddings:
+            raise ValueError("SinkhornConfig: ff_chunks must not exceed max_position_embeddings")
+
+
+__all__ = ["SinkhornConfig"]

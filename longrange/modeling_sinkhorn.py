@@ -1,0 +1,1330 @@
+"""Sinkhorn Transformer (Tay et al. 2020, "Sparse Sinkhorn Attention") as a transformers model.
+
+Reading order: routing helpers -> head groups (local, Sinkhorn, causal Sinkhorn) -> self / cross attention ->
+blocks and layer -> generation cache -> PreTrainedModel -> SinkhornModel -> SinkhornForCausalLM / ForMaskedLM.
+
+The sequence is cut into buckets of `bucket_size`. A sort net scores every (query bucket, key bucket) pair from
+bucket summaries; each query bucket attends its own bucket plus the `n_top_buckets` best key buckets in ONE
+softmax. Only the bucket *indices* are chosen by the sort net; a straight-through weight (exactly 1 in the forward
+pass) carries the routing softmax's gradient into the summaries, so outputs are plain attention over the chosen
+keys and values.
+
+Causal variant: a query bucket may choose strictly earlier key buckets or learned null buckets (so bucket 0 has
+something to choose), and attends causally inside its own bucket. The choice for a bucket is made from the
+cumulative mean of the queries up to the bucket's *leading* (first) token and the means of earlier key buckets:
+it only depends on tokens that exist when the leading token is processed, which is what makes the generation
+cache exact. Half of the Sinkhorn heads use buckets shifted by `bucket_size - 1` (the reference "rotates" them by
+that amount), so that the last token of every ordinary bucket leads a shifted bucket and gets a say in routing;
+the first `bucket_size - 1` tokens form a short leading bucket that can only choose null buckets (the reference's
+masked wrap-around).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MaskedLMOutput
+
+from .configuration_sinkhorn import SinkhornConfig
+from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend
+from .product_key_memory import ProductKeyMemory
+from .reversible import ReversibleSequence
+
+_NEG = -1e30  # routing score of a candidate that may not be chosen (float32 routing math)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# routing helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked per-bucket sums in float32. x: [b, h, L, d], mask: [b, L] -> sums [b, h, n, d], counts [b, n]."""
+    b, h, length, d = x.shape
+    n = length // bucket
+    m = mask.view(b, 1, n, bucket, 1).to(torch.float32)
+    sums = (x.float().view(b, h, n, bucket, d) * m).sum(3)
+    return sums, m.sum(3)[:, 0, :, 0]
+
+
+def select_buckets(
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    n_select: int,
+    temperature: float,
+    sinkhorn_iter: int | None = None,
+    gumbel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Choose `n_select` candidates per row.
+
+    scores: float32 [b, h, q, c]; valid: bool broadcastable to it (candidates that may be chosen).
+    sinkhorn_iter: None = independent top-k per row (non-permutative); an int = Gumbel-Sinkhorn balancing of the
+    score matrix first (noise only when `gumbel`, i.e. in training).
+    Returns indices [b, h, q, n_select], picked_valid (bool, same shape) and the straight-through scale (same
+    shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass.
+    """
+    valid = valid.expand(scores.shape)
+    logits = scores.masked_fill(~valid, _NEG)
+    if sinkhorn_iter is None:
+        idx = logits.topk(n_select, dim=-1).indices
+        log_weights = (logits / temperature).log_softmax(dim=-1)
+    else:
+        if gumbel:
+            uniform = torch.rand_like(logits).clamp(1e-6, 1 - 1e-6)
+            logits = logits - torch.log(-torch.log(uniform))
+        log_weights = (logits / temperature).masked_fill(~valid, _NEG)
+        for _ in range(sinkhorn_iter):
+            log_weights = (log_weights - log_weights.logsumexp(-1, keepdim=True)).masked_fill(~valid, _NEG)
+            log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, _NEG)
+        idx = log_weights.topk(n_select, dim=-1).indices
+    picked_valid = valid.gather(-1, idx)
+    picked = log_weights.gather(-1, idx).masked_fill(~picked_valid, 0.0)
+    scale = torch.exp(picked - picked.detach())
+    return idx, picked_valid, scale
+
+
+def _batch_head_index(b: int, h: int, ndim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors [b, 1, ...] and [1, h, ...] (ndim dims) for advanced indexing of [b, h, ...] tensors."""
+    shape_b = [b] + [1] * (ndim - 1)
+    shape_h = [1, h] + [1] * (ndim - 2)
+    return torch.arange(b, device=device).view(shape_b), torch.arange(h, device=device).view(shape_h)
+
+
+def _prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
+    """t shifted along the bucket dim: entry u holds entry u - shift (u + |shift| when negative), `fill` outside."""
+    n = t.shape[dim]
+    pad_shape = list(t.shape)
+    pad_shape[dim] = abs(shift)
+    pad = torch.full(pad_shape, fill, dtype=t.dtype, device=t.device)
+    if shift > 0:
+        return torch.cat([pad, t.narrow(dim, 0, n - shift)], dim=dim)
+    return torch.cat([t.narrow(dim, -shift, n + shift), pad], dim=dim)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# head groups: each handles a contiguous slice of the heads
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class LocalHeads(nn.Module):
+    """Local windowed attention: a query in window u attends windows u-1 and u (and u+1 when non-causal)."""
+
+    def __init__(self, num_heads: int, bucket_size: int, causal: bool, dropout: float, implementation: str):
+        super().__init__()
+        self.num_heads, self.bucket_size, self.causal = num_heads, bucket_size, causal
+        self.dropout, self.implementation = dropout, implementation
+
+    def forward(self, q, k, v, mask, record=None):
+        b, h, length, d = q.shape
+        size = self.bucket_size
+        n = length // size
+        bq, bk, bv = (t.reshape(b, h, n, size, d) for t in (q, k, v))  # [b, h, n, B, d]
+        bm = mask.view(b, 1, n, size)
+        shifts = (1, 0) if self.causal else (1, 0, -1)
+        keys = torch.cat([_prev_bucket(bk, 2, s, 0.0) if s else bk for s in shifts], dim=3)  # [b, h, n, kB, d]
+        values = torch.cat([_prev_bucket(bv, 2, s, 0.0) if s else bv for s in shifts], dim=3)
+        key_mask = torch.cat([_prev_bucket(bm, 2, s, False) if s else bm for s in shifts], dim=3)  # [b,1,n,kB]
+        attn_mask = key_mask[:, :, :, None, :]  # [b, 1, n, 1, kB]
+        if self.causal:
+            own = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+            pattern = torch.cat([torch.ones(size, size, dtype=torch.bool, device=q.device), own], dim=1)
+            attn_mask = attn_mask & pattern  # [b, 1, n, B, 2B]
+        out = attend(bq, keys, values, attn_mask, dropout=self._p(), implementation=self.implementation)
+        return out.reshape(b, h, length, d)
+
+    def _p(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def step(self, q, keys, values, cache_mask, position, state):
+        """One new token at `position` (keys/values/cache_mask already hold it). q: [b, h, 1, d]."""
+        start = max((position // self.bucket_size - 1) * self.bucket_size, 0)
+        k, v = keys[:, :, start : position + 1], values[:, :, start : position + 1]
+        m = cache_mask[:, None, None, start : position + 1]  # [b, 1, 1, window]
+        return attend(q, k, v, m, implementation=self.implementation)
+
+
+class SinkhornHeads(nn.Module):
+    """Non-causal Sinkhorn attention (also used for a non-causal model's cross-attention, `include_own=False`).
+
+    Attention sort net: query bucket u scores key bucket j by mean(q_u) . mean(k_j) / sqrt(d). Simple sort net
+    (the paper's): relu(W_h [sum(q_u); sum(k_u)]) scores the key-bucket positions j directly. Both see the padding
+    mask (masked means; empty key buckets cannot be chosen). SortCut: one summary of all queries chooses
+    `n_sortcut` key buckets that every query bucket attends (plus its own bucket, never duplicated).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        bucket_size: int,
+        kv_bucket_size: int,
+        n_top: int,
+        n_sortcut: int,
+        include_own: bool,
+        use_simple_sort_net: bool,
+        max_buckets: int,
+        non_permutative: bool,
+        sinkhorn_iter: int,
+        temperature: float,
+        dropout: float,
+        implementation: str,
+    ):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.bucket_size, self.kv_bucket_size = bucket_size, kv_bucket_size
+        self.n_top, self.n_sortcut, self.include_own = n_top, n_sortcut, include_own
+        self.sinkhorn_iter = None if non_permutative else sinkhorn_iter
+        self.temperature, self.dropout, self.implementation = temperature, dropout, implementation
+        self.sort_net = nn.Parameter(torch.empty(num_heads, 2 * head_dim, max_buckets)) if use_simple_sort_net else None
+
+    def forward(self, q, k, v, q_mask, k_mask, record=None):
+        b, h, lq, d = q.shape
+        nq, nk = lq // self.bucket_size, k.shape[2] // self.kv_bucket_size
+        bq = q.reshape(b, h, nq, self.bucket_size, d)
+        bk = k.reshape(b, h, nk, self.kv_bucket_size, d)
+        bv = v.reshape(b, h, nk, self.kv_bucket_size, d)
+        bkm = k_mask.view(b, nk, self.kv_bucket_size)
+        q_sums, q_counts = bucket_sums(q, q_mask, self.bucket_size)  # [b, h, nq, d], [b, nq]
+        k_sums, k_counts = bucket_sums(k, k_mask, self.kv_bucket_size)
+        k_valid = (k_counts > 0)[:, None, None, :]  # [b, 1, 1, nk]
+        own = torch.arange(nq, device=q.device)
+
+        if self.n_sortcut > 0:
+            summary = q_sums.sum(2, keepdim=True) / q_counts.sum(1).clamp_min(1)[:, None, None, None]
+            scores = summary @ (k_sums / k_counts.clamp_min(1)[:, None, :, None]).transpose(-1, -2) * d**-0.5
+            n_sel = min(self.n_sortcut, nk)
+            valid = k_valid
+        else:
+            if self.sort_net is not None:
+                feats = torch.cat([q_sums, k_sums], dim=-1)  # [b, h, n, 2d] (self-attention: nq == nk)
+                scores = torch.log(
+                    F.relu(torch.einsum("bhne,hem->bhnm", feats, self.sort_net.float()))[..., :nk] + 1e-6
+                )
+            else:
+                sq = q_sums / q_counts.clamp_min(1)[:, None, :, None]
+                sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+                scores = sq @ sk.transpose(-1, -2) * d**-0.5  # [b, h, nq, nk]
+            valid = k_valid
+            if self.include_own:
+                valid = valid & (own[:, None] != torch.arange(nk, device=q.device))[None, None]
+            n_sel = min(self.n_top, nk - 1 if self.include_own else nk)
+
+        keys_parts, value_parts, mask_parts = [], [], []
+        if n_sel > 0:
+            idx, picked_valid, scale = select_buckets(
+                scores, valid, n_sel, self.temperature, self.sinkhorn_iter, gumbel=self.training
+            )  # [b, h, 1 or nq, n_sel]
+            bi, hi = _batch_head_index(b, h, 4, q.device)
+            routed_k = bk[bi, hi, idx]  # [b, h, 1 or nq, n_sel, Bk, d]
+            routed_v = bv[bi, hi, idx] * scale[..., None, None].to(v.dtype)
+            routed_m = bkm[bi, idx] & picked_valid[..., None]  # [b, h, 1 or nq, n_sel, Bk]
+            if self.n_sortcut > 0 and self.include_own:
+                # a query bucket already attends its own bucket: drop it from the shared choice
+                routed_m = routed_m & (idx[..., None] != own[None, None, :, None, None])
+            rows = idx.shape[2]  # 1 with SortCut (shared by every query bucket), else nq
+            keys_parts.append(routed_k.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d))
+            value_parts.append(routed_v.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d))
+            mask_parts.append(routed_m.reshape(b, h, routed_m.shape[2], -1).expand(b, h, nq, -1))
+        if self.include_own:
+            keys_parts.append(bk)
+            value_parts.append(bv)
+            mask_parts.append(bkm[:, None].expand(b, h, nq, -1))
+        keys = torch.cat(keys_parts, dim=3)  # [b, h, nq, K, d]
+        values = torch.cat(value_parts, dim=3)
+        attn_mask = torch.cat(mask_parts, dim=3)[:, :, :, None, :]  # [b, h, nq, 1, K]
+        p = self.dropout if self.training else 0.0
+        out = attend(bq, keys, values, attn_mask, dropout=p, implementation=self.implementation)
+        return out.reshape(b, h, lq, d)
+
+
+class CausalSinkhornHeads(nn.Module):
+    """Causal Sinkhorn attention for a slice of heads whose buckets start at `offset` tokens before the usual ones
+    (offset 0: ordinary buckets; offset 1: buckets shifted by bucket_size - 1, the reference's rotated heads).
+
+    Query bucket u chooses `n_top` candidates among `n_top` learned null buckets and the strictly earlier,
+    non-empty key buckets, from the cumulative mean of the queries up to its leading token. A null bucket is one
+    learned key/value per head. Used for self-attention (`null buckets`, own bucket causal) and for a causal
+    decoder's cross-attention (`cross=True`: context buckets, no own bucket, no null buckets, no causality
+    constraint on which context bucket may be chosen).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        bucket_size: int,
+        n_top: int,
+        offset: int,
+        temperature: float,
+        dropout: float,
+        implementation: str,
+        cross: bool = False,
+        kv_bucket_size: int | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.head_dim, self.bucket_size = num_heads, head_dim, bucket_size
+        self.kv_bucket_size = kv_bucket_size or bucket_size
+        self.n_top, self.offset, self.cross = n_top, offset, cross
+        self.temperature, self.dropout, self.implementation = temperature, dropout, implementation
+        if not cross:
+            self.null_keys = nn.Parameter(torch.empty(num_heads, n_top, head_dim))
+            self.null_values = nn.Parameter(torch.empty(num_heads, n_top, head_dim))
+
+    # -- full sequence -----------------------------------------------------------------------------------------
+
+    def forward(self, q, k, v, mask, k_mask=None, record=None):
+        """q, k, v: [b, h, L, d] (L a multiple of bucket_size); mask: [b, L] real query tokens;
+        k_mask: context mask for cross-attention (self-attention uses `mask`). `record`: a dict that receives
+        what the generation cache needs."""
+        size, off = self.bucket_size, self.offset
+        b, h, length, d = q.shape
+        if off:
+            # shift by one: the first bucket holds a virtual token plus tokens 0 .. size-2
+            q, k, v = (F.pad(t, (0, 0, off, size - off)) for t in (q, k, v))
+            mask = F.pad(mask, (off, size - off), value=False)
+        lq = q.shape[2]
+        n = lq // size
+        bq = q.reshape(b, h, n, size, d)
+        q_sums, _ = bucket_sums(q, mask, size)  # [b, h, n, d]
+        lead_q = bq[:, :, :, 0].float() * mask.view(b, 1, n, size)[..., 0, None]  # leading tokens [b, h, n, d]
+        lead_sum = q_sums.cumsum(2) - q_sums + lead_q  # queries summed up to each leading token (inclusive)
+        lead_count = (
+            mask.view(b, n, size).sum(-1).cumsum(-1) - mask.view(b, n, size).sum(-1) + mask.view(b, n, size)[..., 0]
+        )
+        sq = lead_sum / lead_count.clamp_min(1)[:, None, :, None]  # [b, h, n, d]
+
+        if self.cross:
+            key_mask = k_mask
+            nk = k.shape[2] // self.kv_bucket_size
+            bk = k.reshape(b, h, nk, self.kv_bucket_size, d)
+            bv = v.reshape(b, h, nk, self.kv_bucket_size, d)
+            k_sums, k_counts = bucket_sums(k, key_mask, self.kv_bucket_size)
+            sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+            scores = sq @ sk.transpose(-1, -2) * d**-0.5  # [b, h, n, nk]
+            valid = (k_counts > 0)[:, None, None, :]
+            n_sel = min(self.n_top, nk)
+            bank_k, bank_v, bank_m = bk, bv, key_mask.view(b, nk, self.kv_bucket_size)
+        else:
+            key_mask = mask
+            bk, bv = k.reshape(b, h, n, size, d), v.reshape(b, h, n, size, d)
+            k_sums, k_counts = bucket_sums(k, key_mask, size)
+            sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+            n_null = self.n_top
+            null_scores = sq @ self.null_keys.float().transpose(-1, -2)[None]  # [b, h, n, n_null]
+            scores = torch.cat([null_scores, sq @ sk.transpose(-1, -2)], dim=-1) * d**-0.5
+            earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)  # key bucket j < query bucket u
+            real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
+            valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=q.device), real_valid], dim=-1)
+            n_sel = n_null
+            # candidate bank: null buckets (the learned key in slot 0, the rest masked) then the real buckets
+            null_k = F.pad(self.null_keys[:, :, None, :], (0, 0, 0, size - 1)).to(k.dtype).expand(b, -1, -1, -1, -1)
+            null_v = F.pad(self.null_values[:, :, None, :], (0, 0, 0, size - 1)).to(v.dtype).expand(b, -1, -1, -1, -1)
+            bank_k = torch.cat([null_k, bk], dim=2)  # [b, h, n_null + n, B, d]
+            bank_v = torch.cat([null_v, bv], dim=2)
+            null_m = torch.zeros(b, n_null, size, dtype=torch.bool, device=q.device)
+            null_m[:, :, 0] = True
+            bank_m = torch.cat([null_m, key_mask.view(b, n, size)], dim=1)  # [b, n_null + n, B]
+
+        idx, picked_valid, scale = select_buckets(scores, valid, n_sel, self.temperature)  # [b, h, n, n_sel]
+        bi, hi = _batch_head_index(b, h, 4, q.device)
+        routed_k = bank_k[bi, hi, idx].reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
+        routed_v = (bank_v[bi, hi, idx] * scale[..., None, None].to(v.dtype)).reshape(b, h, n, -1, d)
+        routed_m = (bank_m[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
+        if self.cross:
+            keys, values, attn_mask = routed_k, routed_v, routed_m[:, :, :, None, :]
+        else:
+            keys = torch.cat([routed_k, bk], dim=3)  # [b, h, n, (n_sel + 1) B, d]
+            values = torch.cat([routed_v, bv], dim=3)
+            causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+            own_m = key_mask.view(b, 1, n, 1, size) & causal  # [b, 1, n, B, B]
+            attn_mask = torch.cat(
+                [routed_m[:, :, :, None, :].expand(b, h, n, size, -1), own_m.expand(b, h, n, size, size)], dim=-1
+            )
+        p = self.dropout if self.training else 0.0
+        out = attend(bq, keys, values, attn_mask, dropout=p, implementation=self.implementation)
+        out = out.reshape(b, h, lq, d)[:, :, off : off + length]
+
+        if record is not None:
+            record["offset"] = off
+            record["q_sum"] = q_sums.sum(2)  # [b, h, d]
+            record["q_count"] = mask.sum(1).float()  # [b]
+            record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
+            record["route_valid"] = picked_valid
+            if not self.cross:
+                record["k_sum"] = k_sums  # [b, h, n, d]
+                record["k_count"] = k_counts  # [b, n]
+        return out
+
+    # -- one token with a cache --------------------------------------------------------------------------------
+
+    def route_step(self, q, position, state, real, sk=None, k_valid=None):
+        """Update the running query sum with the token at `position`; at a bucket's leading token choose its
+        buckets. q: [b, h, 1, d]; real: [b] bool. Self-attention reads key summaries from `state`."""
+        size, off = self.bucket_size, self.offset
+        u = (position + off) // size
+        state["q_sum"] = state["q_sum"] + q[:, :, 0].float() * real[:, None, None]
+        state["q_count"] = state["q_count"] + real.float()
+        if (position + off) % size != 0:
+            return u
+        sq = state["q_sum"] / state["q_count"].clamp_min(1)[:, None, None]  # [b, h, d]
+        d = q.shape[-1]
+        if self.cross:
+            scores = torch.einsum("bhd,bhnd->bhn", sq, sk)[:, :, None] * d**-0.5  # [b, h, 1, nk]
+            valid = k_valid[:, None, None, :]
+            n_sel = min(self.n_top, sk.shape[2])
+        else:
+            counts = state["k_count"][:, :u]  # [b, u]
+            sk = state["k_sum"][:, :, :u] / counts.clamp_min(1)[:, None, :, None]
+            null_scores = torch.einsum("bhd,hnd->bhn", sq, self.null_keys.float())
+            scores = torch.cat([null_scores, torch.einsum("bhd,bhnd->bhn", sq, sk)], dim=-1)[:, :, None] * d**-0.5
+            valid = torch.cat(
+                [torch.ones(q.shape[0], self.n_top, dtype=torch.bool, device=q.device), counts > 0], dim=-1
+            )[:, None, None, :]
+            n_sel = self.n_top
+        idx, picked_valid, _ = select_buckets(scores, valid, n_sel, self.temperature)
+        state["route"], state["route_valid"] = idx[:, :, 0], picked_valid[:, :, 0]  # [b, h, n_sel]
+        return u
+
+    def step(self, q, keys, values, cache_mask, position, state):
+        """Causal self-attention of one new token (already written to keys/values/cache_mask). q: [b, h, 1, d]."""
+        size, off = self.bucket_size, self.offset
+        b, h, _, d = q.shape
+        real = cache_mask[:, position]
+        u = (position + off) // size
+        k_new = keys[:, :, position].float() * real[:, None, None]
+        state["k_sum"][:, :, u] += k_new
+        state["k_count"][:, u] += real.float()
+        self.route_step(q, position, state, real)
+        choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
+        is_null = choice < self.n_top
+        slot = torch.arange(size, device=q.device)
+        pos = (choice - self.n_top).clamp_min(0)[..., None] * size - off + slot  # [b, h, n_sel, B]
+        pos_c = pos.clamp(0, position)
+        bi, hi = _batch_head_index(b, h, 4, q.device)
+        routed_k = keys[bi, hi, pos_c]  # [b, h, n_sel, B, d]
+        routed_v = values[bi, hi, pos_c]
+        null_i = choice.clamp_max(self.n_top - 1)
+        hi3 = hi[..., 0]
+        routed_k = torch.where(
+            is_null[..., None, None], self.null_keys[hi3, null_i][..., None, :].to(keys.dtype), routed_k
+        )
+        routed_v = torch.where(
+            is_null[..., None, None], self.null_values[hi3, null_i][..., None, :].to(values.dtype), routed_v
+        )
+        routed_m = torch.where(is_null[..., None], slot == 0, (pos >= 0) & cache_mask[bi, pos_c])
+        routed_m = routed_m & choice_valid[..., None]
+        start = max(u * size - off, 0)
+        k = torch.cat([routed_k.reshape(b, h, -1, d), keys[:, :, start : position + 1]], dim=2)
+        v = torch.cat([routed_v.reshape(b, h, -1, d), values[:, :, start : position + 1]], dim=2)
+        own_m = cache_mask[:, None, start : position + 1].expand(b, h, -1)
+        m = torch.cat([routed_m.reshape(b, h, -1), own_m], dim=-1)[:, :, None, :]  # [b, h, 1, K]
+        return attend(q, k, v, m, implementation=self.implementation)
+
+    def cross_step(self, q, position, state, real, ctx):
+        """Causal decoder cross-attention of one new token. ctx: the cached context (keys, values, mask, ...)."""
+        b, h, _, d = q.shape
+        self.route_step(q, position, state, real, ctx["sk"], ctx["k_valid"])
+        choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
+        bi, hi = _batch_head_index(b, h, 3, q.device)
+        k = ctx["bk"][bi, hi, choice].reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
+        v = ctx["bv"][bi, hi, choice].reshape(b, h, -1, d)
+        m = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, -1)
+        return attend(q, k, v, m[:, :, None, :], implementation=self.implementation)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention layers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _implementation(config: SinkhornConfig) -> str:
+    impl = getattr(config, "_attn_implementation", None)
+    return impl if impl in ATTENTION_IMPLEMENTATIONS else "sdpa"
+
+
+class SinkhornSelfAttention(nn.Module):
+    """Projections plus the head groups: [local heads | Sinkhorn heads] (causal: [local | ordinary | shifted])."""
+
+    def __init__(self, config: SinkhornConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        inner = self.num_heads * self.head_dim
+        self.to_q = nn.Linear(config.hidden_size, inner, bias=False)
+        self.to_kv = nn.Linear(config.hidden_size, 2 * inner, bias=False)
+        self.to_out = nn.Linear(inner, config.hidden_size)
+        impl, size = _implementation(config), config.bucket_size
+        n_local = config.n_local_attn_heads
+        n_sink = self.num_heads - n_local
+        groups, slices, start = [], [], 0
+
+        def add(module, count):
+            nonlocal start
+            if count > 0:
+                groups.append(module)
+                slices.append((start, start + count))
+                start += count
+
+        add(LocalHeads(n_local, size, config.causal, config.attn_dropout, impl), n_local)
+        if config.causal:
+            n_plain = n_sink // 2
+            for count, offset in ((n_plain, 0), (n_sink - n_plain, 1)):
+                add(
+                    CausalSinkhornHeads(
+                        count,
+                        self.head_dim,
+                        size,
+                        config.n_top_buckets,
+                        offset,
+                        config.sort_temperature,
+                        config.attn_dropout,
+                        impl,
+                    ),
+                    count,
+                )
+        else:
+            add(
+                SinkhornHeads(
+                    n_sink,
+                    self.head_dim,
+                    size,
+                    size,
+                    config.n_top_buckets,
+                    config.n_sortcut,
+                    True,
+                    config.use_simple_sort_net,
+                    config.max_buckets,
+                    config.non_permutative,
+                    config.sinkhorn_iter,
+                    config.sort_temperature,
+                    config.attn_dropout,
+                    impl,
+                ),
+                n_sink,
+            )
+        self.groups = nn.ModuleList(groups)
+        self.slices = slices
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        return x.view(b, length, -1, self.head_dim).transpose(1, 2)  # [b, H, L, d]
+
+    def forward(self, hidden_states, attention_mask, layer_cache=None):
+        b, length, _ = hidden_states.shape
+        q = self._heads(self.to_q(hidden_states))
+        k, v = (self._heads(t) for t in self.to_kv(hidden_states).chunk(2, dim=-1))
+        if layer_cache is not None and layer_cache.is_stepping:
+            out = self._step(q, k, v, layer_cache)
+        else:
+            records = [None] * len(self.groups)
+            if layer_cache is not None:
+                records = [{} for _ in self.groups]
+            outs = []
+            for group, (s, e), record in zip(self.groups, self.slices, records):
+                if isinstance(group, SinkhornHeads):
+                    outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, attention_mask))
+                else:
+                    outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=record))
+            out = torch.cat(outs, dim=1)
+            if layer_cache is not None:
+                layer_cache.fill_self(k, v, records)
+        out = out.transpose(1, 2).reshape(b, length, -1)
+        return self.to_out(out)
+
+    def _step(self, q, k, v, layer_cache):
+        position = layer_cache.position
+        keys, values = layer_cache.append_kv(k, v)  # [b, H, cap, d]
+        cache_mask = layer_cache.mask
+        outs = []
+        for i, (group, (s, e)) in enumerate(zip(self.groups, self.slices)):
+            outs.append(
+                group.step(q[:, s:e], keys[:, s:e], values[:, s:e], cache_mask, position, layer_cache.groups[i])
+            )
+        return torch.cat(outs, dim=1)
+
+
+class SinkhornCrossAttention(nn.Module):
+    """Attention from the decoder to `encoder_hidden_states` (the seed's `context`), bucketed with
+    `context_bucket_size`. Causal decoders route per query bucket from its leading token; non-causal models use
+    SortCut (`context_n_sortcut`) or per-bucket routing over the context buckets."""
+
+    def __init__(self, config: SinkhornConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        inner = self.num_heads * self.head_dim
+        self.to_q = nn.Linear(config.hidden_size, inner, bias=False)
+        self.to_kv = nn.Linear(config.hidden_size, 2 * inner, bias=False)
+        self.to_out = nn.Linear(inner, config.hidden_size)
+        self.causal = config.causal
+        impl = _implementation(config)
+        if config.causal:
+            self.heads = CausalSinkhornHeads(
+                self.num_heads,
+                self.head_dim,
+                config.bucket_size,
+                config.context_top,
+                0,
+                config.sort_temperature,
+                config.attn_dropout,
+                impl,
+                cross=True,
+                kv_bucket_size=config.context_bucket,
+            )
+        else:
+            self.heads = SinkhornHeads(
+                self.num_heads,
+                self.head_dim,
+                config.bucket_size,
+                config.context_bucket,
+                config.n_top_buckets,
+                config.context_n_sortcut,
+                False,
+                False,
+                1,
+                config.non_permutative,
+                config.sinkhorn_iter,
+                config.sort_temperature,
+                config.attn_dropout,
+                impl,
+            )
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        return x.view(b, length, -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, hidden_states, attention_mask, context, context_mask, layer_cache=None):
+        b, length, _ = hidden_states.shape
+        q = self._heads(self.to_q(hidden_states))
+        if layer_cache is not None and layer_cache.is_stepping:
+            real = layer_cache.mask[:, layer_cache.position]
+            out = self.heads.cross_step(q, layer_cache.position, layer_cache.cross_state, real, layer_cache.context)
+        else:
+            k, v = (self._heads(t) for t in self.to_kv(context).chunk(2, dim=-1))
+            if self.causal:
+                record = {} if layer_cache is not None else None
+                out = self.heads(q, k, v, attention_mask, k_mask=context_mask, record=record)
+                if layer_cache is not None:
+                    layer_cache.fill_cross(k, v, context_mask, record, self.heads.kv_bucket_size)
+            else:
+                out = self.heads(q, k, v, attention_mask, context_mask)
+        out = out.transpose(1, 2).reshape(b, length, -1)
+        return self.to_out(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# blocks and layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm self-attention branch f(x) (the residual is added by the caller or the reversible stack)."""
+
+    def __init__(self, config: SinkhornConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attention = SinkhornSelfAttention(config)
+        self.dropout = nn.Dropout(config.attn_layer_dropout)
+
+    def forward(self, hidden_states, attention_mask=None, layer_cache=None, **unused):
+        return self.dropout(self.attention(self.norm(hidden_states), attention_mask, layer_cache))
+
+
+class CrossAttentionBlock(nn.Module):
+    def __init__(self, config: SinkhornConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attention = SinkhornCrossAttention(config)
+        self.dropout = nn.Dropout(config.attn_layer_dropout)
+
+    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, layer_cache=None, **unused):
+        out = self.attention(self.norm(hidden_states), attention_mask, context, context_mask, layer_cache)
+        return self.dropout(out)
+
+
+class FeedForwardBlock(nn.Module):
+    """Pre-norm feed-forward (or product-key memory) branch g(x), optionally over `ff_chunks` chunks of the
+    sequence (chunks may be unequal, so any length works)."""
+
+    def __init__(self, config: SinkhornConfig, use_pkm: bool = False):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        if use_pkm:
+            self.net = ProductKeyMemory(
+                config.hidden_size, num_keys=config.pkm_num_keys, heads=config.pkm_heads, topk=config.pkm_topk
+            )
+        else:
+            self.net = FeedForward(config.hidden_size, config.ff_size, config.ff_dropout, config.ff_glu)
+        self.chunks = config.ff_chunks
+
+    def forward(self, hidden_states, **unused):
+        x = self.norm(hidden_states)
+        if self.chunks > 1 and x.shape[1] > 1:
+            return torch.cat([self.net(c) for c in x.chunk(self.chunks, dim=1)], dim=1)
+        return self.net(x)
+
+
+class SinkhornLayer(GradientCheckpointingLayer):
+    """attention -> (cross-attention -> its feed-forward) -> feed-forward, each a pre-norm residual branch.
+    With `receives_context` the reversible stack sees two blocks per layer: (attention, feed_forward) and
+    (cross_attention, cross_feed_forward), as in the reference."""
+
+    def __init__(self, config: SinkhornConfig, use_pkm: bool):
+        super().__init__()
+        self.attention = AttentionBlock(config)
+        self.feed_forward = FeedForwardBlock(config, use_pkm)
+        if config.receives_context:
+            self.cross_attention = CrossAttentionBlock(config)
+            self.cross_feed_forward = FeedForwardBlock(config)
+
+    def blocks(self, feed_forward: nn.Module | None = None) -> list[tuple[nn.Module, nn.Module]]:
+        pairs = [(self.attention, feed_forward if feed_forward is not None else self.feed_forward)]
+        if hasattr(self, "cross_attention"):
+            pairs.append((self.cross_attention, self.cross_feed_forward))
+        return pairs
+
+    def forward(
+        self, hidden_states, attention_mask=None, context=None, context_mask=None, layer_cache=None, feed_forward=None
+    ):
+        kwargs = dict(
+            attention_mask=attention_mask, context=context, context_mask=context_mask, layer_cache=layer_cache
+        )
+        for f, g in self.blocks(feed_forward):
+            hidden_states = hidden_states + f(hidden_states, **kwargs)
+            hidden_states = hidden_states + g(hidden_states)
+        return hidden_states
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generation cache
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _grow(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if t.shape[dim] >= size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
+
+
+class SinkhornLayerState:
+    """Cache of one layer: keys/values of every past token (all heads, preallocated and grown by doubling), per
+    causal Sinkhorn head group the running query sum, per-key-bucket sums and the chosen buckets of the current
+    query bucket; for cross-attention the bucketed context keys/values and their summaries."""
+
+    is_compileable = False
+    is_sliding = False
+    is_linear = False
+
+    def __init__(self, owner: SinkhornCache):
+        self.owner = owner
+        self.keys = self.values = None  # [b, H, capacity, d]
+        self.groups: list[dict] = []
+        self.cross_state: dict | None = None
+        self.context: dict | None = None
+
+    # the owner keeps the sequence-level state shared by every layer
+    @property
+    def is_stepping(self) -> bool:
+        return self.owner.stepping
+
+    @property
+    def position(self) -> int:
+        return self.owner.seen
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.owner.mask
+
+    def fill_self(self, k, v, records):
+        n = self.owner.prefill_length
+        cap = self.owner.capacity
+        self.keys = _grow(k[:, :, :n].contiguous(), 2, cap)
+        self.values = _grow(v[:, :, :n].contiguous(), 2, cap)
+        self.groups = []
+        for record in records:
+            state = {}
+            if record:
+                last_bucket = (n - 1 + self.owner.offsets_of(record)) // self.owner.bucket_size
+                state["q_sum"], state["q_count"] = record["q_sum"].detach(), record["q_count"]
+                state["route"] = record["route"][:, :, last_bucket]
+                state["route_valid"] = record["route_valid"][:, :, last_bucket]
+                state["k_sum"] = _grow(record["k_sum"].detach(), 2, self.owner.bucket_capacity)
+                state["k_count"] = _grow(record["k_count"], 1, self.owner.bucket_capacity)
+            self.groups.append(state)
+
+    def fill_cross(self, k, v, context_mask, record, kv_bucket):
+        b, h, lc, d = k.shape
+        nk = lc // kv_bucket
+        k_sums, k_counts = bucket_sums(k, context_mask, kv_bucket)
+        self.context = {
+            "bk": k.reshape(b, h, nk, kv_bucket, d),
+            "bv": v.reshape(b, h, nk, kv_bucket, d),
+            "bm": context_mask.view(b, nk, kv_bucket),
+            "sk": k_sums / k_counts.clamp_min(1)[:, None, :, None],
+            "k_valid": k_counts > 0,
+        }
+        last_bucket = (self.owner.prefill_length - 1) // self.owner.bucket_size
+        self.cross_state = {
+            "q_sum": record["q_sum"].detach(),
+            "q_count": record["q_count"],
+            "route": record["route"][:, :, last_bucket],
+            "route_valid": record["route_valid"][:, :, last_bucket],
+        }
+
+    def append_kv(self, k, v):
+        p, cap = self.owner.seen, self.owner.capacity
+        if self.keys.shape[2] < cap:
+            self.keys, self.values = _grow(self.keys, 2, cap), _grow(self.values, 2, cap)
+            for state in self.groups:
+                if state:
+                    state["k_sum"] = _grow(state["k_sum"], 2, self.owner.bucket_capacity)
+                    state["k_count"] = _grow(state["k_count"], 1, self.owner.bucket_capacity)
+        self.keys[:, :, p] = k[:, :, 0]
+        self.values[:, :, p] = v[:, :, 0]
+        return self.keys, self.values
+
+    def _apply(self, fn):
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+        self.groups = [{key: fn(val) for key, val in state.items()} for state in self.groups]
+        if self.cross_state is not None:
+            self.cross_state = {key: fn(val) for key, val in self.cross_state.items()}
+        if self.context is not None:
+            self.context = {key: fn(val) for key, val in self.context.items()}
+
+
+class SinkhornCache(Cache):
+    """Generation cache of a causal Sinkhorn model (created inside `forward` when `use_cache`).
+
+    Holds, per layer, a [`SinkhornLayerState`]; and for the whole sequence the padding mask of every token seen
+    and the number of real tokens per row (positions of the next tokens). Each new token then costs attention
+    over its own bucket, `n_top_buckets` chosen buckets (and the local window for local heads), not the sequence.
+    """
+
+    def __init__(self, config: SinkhornConfig):
+        super().__init__(layers=[])
+        self.bucket_size = config.bucket_size
+        self.num_layers = config.num_hidden_layers
+        self.layers = [SinkhornLayerState(self) for _ in range(self.num_layers)]
+        self.seen = 0  # tokens processed, padding included (the next token's index)
+        self.capacity = 0
+        self.mask = None  # [b, capacity] bool: which processed tokens are real
+        self.real_counts = None  # [b] real tokens so far (position of the next real token)
+        self.stepping = False
+        self.prefill_length = 0
+        self._offsets: dict[int, int] = {}
+
+    # -- bookkeeping used by the model -------------------------------------------------------------------------
+
+    @property
+    def bucket_capacity(self) -> int:
+        return self.capacity // self.bucket_size + 2
+
+    def offsets_of(self, record: dict) -> int:
+        return record.get("offset", 0)
+
+    def _reserve(self, needed: int, b: int, device) -> None:
+        if needed <= self.capacity:
+            return
+        cap = max(needed, 2 * self.capacity, 4 * self.bucket_size)
+        self.capacity = math.ceil(cap / self.bucket_size) * self.bucket_size
+        if self.mask is None:
+            self.mask = torch.zeros(b, self.capacity, dtype=torch.bool, device=device)
+        else:
+            self.mask = _grow(self.mask, 1, self.capacity)
+
+    def begin_prefill(self, mask: torch.Tensor) -> None:
+        b, n = mask.shape
+        self._reserve(n, b, mask.device)
+        self.mask[:, :n] = mask
+        self.real_counts = mask.sum(1)
+        self.prefill_length = n
+        self.stepping = False
+
+    def end_prefill(self) -> None:
+        self.seen = self.prefill_length
+
+    def begin_step(self, real: torch.Tensor) -> None:
+        self._reserve(self.seen + 1, real.shape[0], real.device)
+        self.mask[:, self.seen] = real
+        self.stepping = True
+
+    def end_step(self, real: torch.Tensor) -> None:
+        self.real_counts = self.real_counts + real.long()
+        self.seen += 1
+        self.stepping = False
+
+    # -- Cache API ----------------------------------------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.seen > 0
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    def _apply(self, fn) -> None:
+        if self.mask is None:
+            return
+        self.mask = fn(self.mask)
+        self.real_counts = fn(self.real_counts)
+        for layer in self.layers:
+            layer._apply(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices])
+
+    def reset(self) -> None:
+        self.__init__(_ConfigView(self.bucket_size, self.num_layers))
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(
+            "SinkhornCache cannot be cropped (bucket summaries and routing are not kept per token); "
+            "assisted / speculative generation is not supported"
+        )
+
+
+@dataclass
+class _ConfigView:
+    bucket_size: int
+    num_hidden_layers: int
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# models
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class SinkhornPreTrainedModel(PreTrainedModel):
+    config_class = SinkhornConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SinkhornLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, ProductKeyMemory):
+            # the same distributions as ProductKeyMemory.reset_parameters, through the loading-aware initialisers
+            init.normal_(module.keys, mean=0.0, std=module.dim_key**-0.5)
+            init.normal_(module.values.weight, mean=0.0, std=module.values.weight.shape[1] ** -0.5)
+        elif isinstance(module, CausalSinkhornHeads) and not module.cross:
+            init.normal_(module.null_keys, mean=0.0, std=1.0)
+            init.normal_(module.null_values, mean=0.0, std=1.0)
+        elif isinstance(module, SinkhornHeads) and module.sort_net is not None:
+            init.normal_(module.sort_net, mean=0.0, std=module.sort_net.shape[1] ** -0.5)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+
+def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
+    if mask is not None and tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (batch, sequence), got {tuple(mask.shape)}")
+
+
+class SinkhornModel(SinkhornPreTrainedModel):
+    """Token ids (or `inputs_embeds`) to hidden states (the seed's `SinkhornTransformer` / `return_embeddings`).
+
+    Inputs of any length are padded to a multiple of `bucket_size` (padding masked, output trimmed). Left padding
+    is supported: positions count real tokens only, so a left-padded row gets the positions of the unpadded one.
+    """
+
+    def __init__(self, config: SinkhornConfig):
+        super().__init__(config)
+        config.validate_sinkhorn()
+        emb = config.embedding_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, emb)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, emb)
+        self.emb_dropout = nn.Dropout(config.emb_dropout)
+        self.project_in = nn.Linear(emb, config.hidden_size) if emb != config.hidden_size else None
+        pkm = set(config.pkm_layers)
+        if config.weight_tie:
+            # one shared layer; product-key layers keep their own memory in place of the shared feed-forward
+            self.layers = nn.ModuleList([SinkhornLayer(config, use_pkm=False)])
+            self.pkm_blocks = nn.ModuleDict({str(i): FeedForwardBlock(config, use_pkm=True) for i in sorted(pkm)})
+        else:
+            self.layers = nn.ModuleList(
+                [SinkhornLayer(config, use_pkm=i + 1 in pkm) for i in range(config.num_hidden_layers)]
+            )
+            self.pkm_blocks = None
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        # the reversible stack only references the blocks above (kept out of the module tree, so parameter names are
+        # the same with and without `reversible`)
+        self._reversible = (ReversibleSequence(self._stack_blocks()),) if config.reversible else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def _layer_at(self, depth: int) -> tuple[SinkhornLayer, nn.Module | None]:
+        if self.config.weight_tie:
+            key = str(depth + 1)
+            return self.layers[0], (self.pkm_blocks[key] if key in self.pkm_blocks else None)
+        return self.layers[depth], None
+
+    def _stack_blocks(self) -> list[tuple[nn.Module, nn.Module]]:
+        blocks = []
+        for depth in range(self.config.num_hidden_layers):
+            layer, ff = self._layer_at(depth)
+            blocks.extend(layer.blocks(ff))
+        return blocks
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        config = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("SinkhornModel: pass exactly one of input_ids or inputs_embeds")
+        cache = cache if cache is not None else past_key_values
+        use_cache = (use_cache if use_cache is not None else config.use_cache) and config.causal
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        if output_hidden_states and config.reversible:
+            raise ValueError("SinkhornModel: output_hidden_states is not available with reversible=True")
+        if encoder_hidden_states is not None and not config.receives_context:
+            raise ValueError("SinkhornModel: encoder_hidden_states needs a config with receives_context=True")
+        if (
+            config.receives_context
+            and encoder_hidden_states is None
+            and not (cache is not None and cache.get_seq_length() > 0)
+        ):
+            raise ValueError("SinkhornModel: receives_context=True needs encoder_hidden_states (the context)")
+        if cache is not None and not isinstance(cache, SinkhornCache):
+            if cache.get_seq_length() > 0:
+                raise ValueError(f"SinkhornModel: expected a SinkhornCache, got a filled {type(cache).__name__}")
+            cache = None  # an empty generic cache (e.g. from EncoderDecoderModel.generate): use our own
+        if use_cache and cache is None:
+            cache = SinkhornCache(config)
+        if not use_cache:
+            cache = None
+
+        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        past = cache.seen if cache is not None else 0
+        if past + length > config.max_position_embeddings:
+            raise ValueError(
+                f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings "
+                f"({config.max_position_embeddings})"
+            )
+        if input_ids is not None and input_ids.numel() > 0:
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= config.vocab_size:
+                raise ValueError(f"SinkhornModel: token ids must lie in [0, {config.vocab_size}), got [{low}, {high}]")
+        if attention_mask is not None:
+            if (
+                attention_mask.dim() == 2
+                and attention_mask.shape[0] == batch
+                and attention_mask.shape[1] == past + length
+                and past
+            ):
+                attention_mask = attention_mask[:, past:]  # generate() passes the mask of the whole sequence so far
+            _check_mask(attention_mask, (batch, length), "attention_mask")
+            attention_mask = attention_mask.bool()
+
+        # several new tokens on top of a filled cache: feed them one at a time (exact, generation-only path)
+        if cache is not None and past > 0 and length > 1:
+            outputs = []
+            for t in range(length):
+                out = self.forward(
+                    input_ids=input_ids[:, t : t + 1] if input_ids is not None else None,
+                    inputs_embeds=inputs_embeds[:, t : t + 1] if inputs_embeds is not None else None,
+                    attention_mask=attention_mask[:, t : t + 1] if attention_mask is not None else None,
+                    position_ids=position_ids[:, t : t + 1] if position_ids is not None else None,
+                    encoder_hidden_states=encoder_hidden_states,
+                    encoder_attention_mask=encoder_attention_mask,
+                    cache=cache,
+                    use_cache=True,
+                )
+                outputs.append(out.last_hidden_state)
+            return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
+
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        mask = (
+            attention_mask if attention_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
+        )
+        if position_ids is None:
+            before = cache.real_counts[:, None] if cache is not None and past > 0 else 0
+            position_ids = (before + mask.long().cumsum(1) - 1).clamp_min(0)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden = inputs_embeds + self.embed_positions(position_ids.clamp_max(config.max_position_embeddings - 1))
+        hidden = self.emb_dropout(hidden)
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)
+
+        context = context_mask = None
+        if encoder_hidden_states is not None and not (cache is not None and past > 0):
+            context, context_mask = self._pad_context(encoder_hidden_states, encoder_attention_mask)
+
+        stepping = cache is not None and past > 0
+        if stepping:
+            cache.begin_step(mask[:, 0])
+            padded_mask = mask
+        else:
+            pad = (-length) % config.bucket_size
+            hidden = F.pad(hidden, (0, 0, 0, pad))
+            padded_mask = F.pad(mask, (0, pad), value=False)
+            if cache is not None:
+                cache.begin_prefill(mask)
+
+        skip = [False] * config.num_hidden_layers
+        if self.training and config.layer_dropout > 0:
+            skip = (torch.rand(config.num_hidden_layers) < config.layer_dropout).tolist()
+
+        all_hidden = (hidden,) if output_hidden_states else None
+        if self._reversible is not None and cache is None:
+            per_layer = len(self.layers[0].blocks())
+            block_skip = [s for s in skip for _ in range(per_layer)]
+            f_kwargs = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
+            y1, y2 = self._reversible[0](hidden, hidden, f_kwargs=f_kwargs, skip=block_skip)
+            hidden = (y1 + y2) / 2
+        elif self._reversible is not None:
+            # with a cache: the same two-stream computation as a plain loop (blocks write the cache)
+            x1 = x2 = hidden
+            for depth in range(config.num_hidden_layers):
+                if skip[depth]:
+                    continue
+                layer, ff = self._layer_at(depth)
+                kwargs_f = dict(
+                    attention_mask=padded_mask,
+                    context=context,
+                    context_mask=context_mask,
+                    layer_cache=cache.layers[depth],
+                )
+                for f, g in layer.blocks(ff):
+                    x1 = x1 + f(x2, **kwargs_f)
+                    x2 = x2 + g(x1)
+            hidden = (x1 + x2) / 2
+        else:
+            for depth in range(config.num_hidden_layers):
+                if not skip[depth]:
+                    layer, ff = self._layer_at(depth)
+                    hidden = layer(
+                        hidden,
+                        attention_mask=padded_mask,
+                        context=context,
+                        context_mask=context_mask,
+                        layer_cache=cache.layers[depth] if cache is not None else None,
+                        feed_forward=ff,
+                    )
+                if output_hidden_states:
+                    all_hidden = all_hidden + (hidden[:, :length],)
+        hidden = self.norm(hidden[:, :length])
+
+        if cache is not None:
+            if stepping:
+                cache.end_step(mask[:, 0])
+            else:
+                cache.end_prefill()
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache, hidden_states=all_hidden)
+
+    def _pad_context(self, context: torch.Tensor, context_mask: torch.Tensor | None):
+        b, lc, _ = context.shape
+        _check_mask(context_mask, (b, lc), "encoder_attention_mask")
+        mask = (
+            context_mask.bool()
+            if context_mask is not None
+            else torch.ones(b, lc, dtype=torch.bool, device=context.device)
+        )
+        pad = (-lc) % self.config.context_bucket
+        return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
+
+
+class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SinkhornConfig):
+        super().__init__(config)
+        if not config.causal:
+            raise ValueError("SinkhornForCausalLM needs causal=True (use SinkhornForMaskedLM for causal=False)")
+        self.model = SinkhornModel(config)
+        emb = config.embedding_size
+        self.project_out = nn.Linear(config.hidden_size, emb) if emb != config.hidden_size else None
+        self.lm_head = nn.Linear(emb, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def _random_truncate(self, input_ids, attention_mask, labels):
+        """Cut every row at a random length (>= 2) and move it to the end of the window (left padding)."""
+        b, n = input_ids.shape
+        keep = torch.randint(2, n + 1, (b,), device=input_ids.device)
+        src = torch.arange(n, device=input_ids.device)[None, :] - (n - keep)[:, None]
+        inside = src >= 0
+        src = src.clamp_min(0)
+        pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        input_ids = input_ids.gather(1, src).masked_fill(~inside, pad_id)
+        mask = inside if attention_mask is None else inside & attention_mask.bool().gather(1, src)
+        if labels is not None:
+            labels = labels.gather(1, src).masked_fill(~inside, -100)
+        return input_ids, mask, labels
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        past_key_values: Cache | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        if (
+            self.training
+            and self.config.randomly_truncate_sequence
+            and input_ids is not None
+            and input_ids.shape[1] > 2
+        ):
+            input_ids, attention_mask, labels = self._random_truncate(input_ids, attention_mask, labels)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            cache=cache if cache is not None else past_key_values,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states
+        )
+
+
+class SinkhornForMaskedLM(SinkhornPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SinkhornConfig):
+        super().__init__(config)
+        if config.causal:
+            raise ValueError("SinkhornForMaskedLM needs causal=False")
+        self.model = SinkhornModel(config)
+        emb = config.embedding_size
+        self.project_out = nn.Linear(config.hidden_size, emb) if emb != config.hidden_size else None
+        self.lm_head = nn.Linear(emb, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            use_cache=False,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden = outputs.last_hidden_state
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+__all__ = [
+    "SinkhornCache",
+    "SinkhornForCausalLM",
+    "SinkhornForMaskedLM",
+    "SinkhornModel",
+    "SinkhornPreTrainedModel",
+]
