@@ -187,8 +187,10 @@ def test_two_processes_equal_one_process_with_accumulation(tmp_path, model):
     args = ["scripts/train.py", "--model", model, "--data", str(SHAKESPEARE), "--window", "32", "--batch_size", "2",
             "--max_steps", "3", "--eval_every", "0", "--eval_tokens", "1024", "--num_samples", "0", "--cpu",
             "--learning_rate", "3e-3", "--config", *TINY[model]]  # fmt: skip
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]  # fmt: skip
+    # `--multi_gpu` selects accelerate's torchrun launcher (two real processes); the script's `--cpu` makes them CPU
+    # processes joined by gloo. (`accelerate launch --cpu --num_processes 2` would need mpirun.)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
     env = {**ENV, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     two = subprocess.run([*launch, *args, "--output_dir", str(tmp_path / "two")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
