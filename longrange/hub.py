@@ -9,7 +9,7 @@ registers the classes for the Auto classes). `prepare_hub_folder` rewrites such 
 from __future__ import annotations
 
 import json
-import shutil
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,11 @@ CARD_CONFIG_FIELDS = (
     "intermediate_size",
     "max_position_embeddings",
     "segment_length",
-    "memory_length",
-    "compressed_memory_length",
+    "mem_len",
+    "c_mem_len",
     "compression_rate",
     "compression_function",
+    "reconstruction_loss",
     "bucket_size",
     "sinkhorn_iterations",
     "n_positions",
@@ -135,7 +136,8 @@ def write_model_card(
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         f'model = AutoModelForCausalLM.from_pretrained("{load_name}", trust_remote_code=True)',
-        f'tokenizer = AutoTokenizer.from_pretrained("{load_name}")',
+        # the folder's config.json names the remote classes, so the tokenizer loader asks for trust too
+        f'tokenizer = AutoTokenizer.from_pretrained("{load_name}", trust_remote_code=True)',
         'inputs = tokenizer("First Citizen:", return_tensors="pt")',
         "output = model.generate(**inputs, max_new_tokens=100, do_sample=True, top_k=40)",
         "print(tokenizer.decode(output[0]))",
@@ -154,13 +156,14 @@ def prepare_hub_folder(
     *,
     trust_remote_code: bool = False,
     card: Mapping[str, Any] | None = None,
+    repo_id: str | None = None,
 ) -> Path:
     """Write into `out_dir` exactly what `push_folder` uploads, from a saved model folder (or Hub id) `source`.
 
     The model is loaded and saved again, so the upload always has safetensors weights, `auto_map` in config.json and
     the modeling code next to them, whatever wrote `source`. The tokenizer in `source` is saved alongside. The model
-    card is `source/README.md` when there is one and `card` is None; otherwise it is written from `card` (keyword
-    arguments of `write_model_card`).
+    card is `source/README.md` when there is one and `card` is None (its usage snippet then loads `repo_id`);
+    otherwise it is written from `card` (keyword arguments of `write_model_card`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -179,9 +182,13 @@ def prepare_hub_folder(
         raise FileNotFoundError(f"{source} has no tokenizer; save one there with tokenizer.save_pretrained") from err
     tokenizer.save_pretrained(out_dir)
     if card is None and (source_path / "README.md").is_file():
-        shutil.copyfile(source_path / "README.md", out_dir / "README.md")
+        text = (source_path / "README.md").read_text(encoding="utf-8")
+        if repo_id:  # the card was written for a local folder: point its usage snippet at the Hub name
+            text = re.sub(r'from_pretrained\("[^"]*"', f'from_pretrained("{repo_id}"', text)
+        (out_dir / "README.md").write_text(text, encoding="utf-8")
     else:
-        write_model_card(out_dir, model=model, tokenizer=tokenizer, **(card or {}))
+        card = {"repo_id": repo_id, **(card or {})}
+        write_model_card(out_dir, model=model, tokenizer=tokenizer, **card)
     return out_dir
 
 
