@@ -31,7 +31,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MaskedLMOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithCrossAttentions, MaskedLMOutput
 
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend
@@ -1236,7 +1236,7 @@ class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithCrossAttentions:
         if (
             self.training
             and self.config.randomly_truncate_sequence
@@ -1264,7 +1264,7 @@ class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        return CausalLMOutputWithCrossAttentions(
             loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states
         )
 

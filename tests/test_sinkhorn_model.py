@@ -1,0 +1,238 @@
+"""Sinkhorn model behaviour: causality, cached generation, padding, determinism, odd lengths, training, errors."""
+
+import pytest
+import torch
+
+from longrange.configuration_sinkhorn import SinkhornConfig
+from longrange.modeling_sinkhorn import SinkhornCache, SinkhornForCausalLM, SinkhornForMaskedLM, SinkhornModel
+
+TINY = dict(vocab_size=40, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=8)
+
+
+def causal_lm(seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = SinkhornConfig(**{**TINY, "causal": True, "max_position_embeddings": 256, **overrides})
+    return SinkhornForCausalLM(config).eval()
+
+
+ALL_ON = dict(n_local_attn_heads=1, pkm_layers=[2], pkm_num_keys=8, pkm_topk=4, pkm_heads=2, ff_chunks=3)
+
+
+@pytest.mark.parametrize("n_top", [1, 2, 3])
+def test_future_tokens_never_change_past_logits(n_top):
+    # 4 heads: 1 local, 1 ordinary Sinkhorn, 2 shifted ("rotated"); PKM, chunked FF and reversible layers on
+    model = causal_lm(n_top_buckets=n_top, reversible=True, **ALL_ON)
+    ids = torch.randint(0, 40, (1, 42))
+    with torch.no_grad():
+        base = model(ids, use_cache=False).logits
+        for p in (0, 7, 8, 15, 22, 33, 41):
+            changed = ids.clone()
+            changed[0, p] = (ids[0, p] + 1) % 40
+            out = model(changed, use_cache=False).logits
+            torch.testing.assert_close(out[:, :p], base[:, :p], rtol=0, atol=1e-6)
+            assert (out[:, p] - base[:, p]).abs().max() > 1e-4  # the changed token itself matters
+
+
+def stepwise_logits(model, ids, mask=None, prefill=3):
+    with torch.no_grad():
+        out = model(ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], use_cache=True)
+        assert isinstance(out.cache, SinkhornCache)
+        logits, cache = [out.logits], out.cache
+        for t in range(prefill, ids.shape[1]):
+            step_mask = None if mask is None else mask[:, : t + 1]  # generate() passes the whole mask so far
+            out = model(ids[:, t : t + 1], attention_mask=step_mask, cache=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.cache
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("n_top", [1, 3])
+def test_cached_steps_equal_full_recompute_across_bucket_boundaries(n_top):
+    model = causal_lm(seed=1, n_top_buckets=n_top, **ALL_ON)
+    ids = torch.randint(0, 40, (2, 37))  # 4+ bucket boundaries (bucket 8), plus the shifted heads' boundaries
+    mask = torch.ones(2, 37, dtype=torch.long)
+    mask[1, :5] = 0  # left padding in row 1
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    stepped = stepwise_logits(model, ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(stepped[real], full[real], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_multi_token_chunk_and_reversible_cache():
+    model = causal_lm(seed=2, reversible=True, weight_tie=True, **{**ALL_ON, "pkm_layers": [1]})
+    ids = torch.randint(0, 40, (1, 30))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        first = model(ids[:, :11], use_cache=True)
+        rest = model(ids[:, 11:], cache=first.cache, use_cache=True)  # several tokens on a filled cache
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full, rtol=1e-5, atol=1e-5)
+    assert rest.cache.get_seq_length() == 30
+
+
+def test_greedy_generate_same_tokens_with_and_without_cache_and_beam_search_runs():
+    model = causal_lm(seed=3, n_top_buckets=2, **ALL_ON)
+    prompt = torch.randint(0, 40, (2, 5))
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(prompt, use_cache=True, **kwargs)
+    without = model.generate(prompt, use_cache=False, **kwargs)
+    assert with_cache.shape == (2, 25)  # crosses bucket boundaries at 8, 16, 24
+    assert torch.equal(with_cache, without)
+    beams = model.generate(prompt, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
+    beams_nc = model.generate(
+        prompt, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0, use_cache=False
+    )
+    assert torch.equal(beams, beams_nc)
+    sampled = model.generate(prompt, max_new_tokens=5, do_sample=True, num_return_sequences=2, pad_token_id=0)
+    assert sampled.shape == (4, 10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_padding_invariance_left_and_right(causal):
+    torch.manual_seed(4)
+    config = SinkhornConfig(**{**TINY, "causal": causal, "n_top_buckets": 2, "n_local_attn_heads": 1})
+    model = SinkhornModel(config).eval()
+    ids = torch.randint(1, 40, (1, 19))
+    with torch.no_grad():
+        alone = model(ids).last_hidden_state
+        # right padding across a bucket boundary: real outputs unchanged
+        right = torch.cat([ids, torch.randint(1, 40, (1, 10))], 1)
+        right_mask = torch.cat([torch.ones(1, 19), torch.zeros(1, 10)], 1)
+        out = model(right, attention_mask=right_mask).last_hidden_state[:, :19]
+        torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+        # left padding by a whole bucket: positions count real tokens, so the outputs equal the unpadded ones
+        left = torch.cat([torch.randint(1, 40, (1, 8)), ids], 1)
+        left_mask = torch.cat([torch.zeros(1, 8), torch.ones(1, 19)], 1)
+        out = model(left, attention_mask=left_mask).last_hidden_state[:, 8:]
+        torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+        # any left padding: changing the padded tokens changes nothing real
+        left5 = torch.cat([torch.randint(1, 40, (1, 5)), ids], 1)
+        mask5 = torch.cat([torch.zeros(1, 5), torch.ones(1, 19)], 1)
+        a = model(left5, attention_mask=mask5).last_hidden_state[:, 5:]
+        left5[:, :5] = torch.randint(1, 40, (1, 5))
+        b = model(left5, attention_mask=mask5).last_hidden_state[:, 5:]
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_eval_is_deterministic_with_gumbel_sinkhorn_sort_net():
+    torch.manual_seed(5)
+    config = SinkhornConfig(**TINY, use_simple_sort_net=True, non_permutative=False, sinkhorn_iter=4, n_top_buckets=1)
+    model = SinkhornModel(config).eval()
+    ids = torch.randint(0, 40, (2, 32))
+    with torch.no_grad():
+        first = model(ids).last_hidden_state
+        second = model(ids).last_hidden_state
+    assert torch.equal(first, second)
+
+
+def test_odd_lengths_forward_and_generate():
+    torch.manual_seed(6)
+    config = SinkhornConfig(
+        vocab_size=30,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        bucket_size=128,
+        causal=True,
+        max_position_embeddings=1200,
+        intermediate_size=8,
+    )
+    model = SinkhornForCausalLM(config).eval()
+    with torch.no_grad():
+        for length in (1, 117, 1117):
+            ids = torch.randint(0, 30, (1, length))
+            assert model(ids).logits.shape == (1, length, 30)
+        out = model.generate(torch.randint(0, 30, (1, 1117)), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 1120)
+        out = model.generate(torch.randint(0, 30, (1, 1)), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 4)
+
+
+def test_masked_lm_trains():
+    torch.manual_seed(7)
+    config = SinkhornConfig(**TINY, n_sortcut=2, reversible=True, ff_chunks=2)
+    model = SinkhornForMaskedLM(config).train()
+    ids = torch.randint(1, 40, (4, 32))
+    inputs = ids.clone()
+    inputs[:, ::4] = 0  # "mask" token
+    labels = torch.full_like(ids, -100)
+    labels[:, ::4] = ids[:, ::4]
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        loss = model(inputs, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3
+
+
+def test_causal_lm_loss_is_shifted_and_ignores_minus_100():
+    model = causal_lm(seed=8)
+    ids = torch.randint(0, 40, (2, 20))
+    labels = ids.clone()
+    labels[:, 10:] = -100
+    out = model(ids, labels=labels, num_items_in_batch=18)
+    logits = out.logits[:, :-1].reshape(-1, 40)
+    target = labels[:, 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum") / 18
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_randomly_truncate_sequence_applies_in_training_only():
+    model = causal_lm(seed=9, randomly_truncate_sequence=True)
+    ids = torch.randint(1, 40, (3, 24))
+    with torch.no_grad():
+        eval_a = model(ids, labels=ids).loss
+        eval_b = model(ids, labels=ids).loss
+        assert torch.equal(eval_a, eval_b)
+        model.train()
+        torch.manual_seed(0)
+        train_loss = model(ids, labels=ids).loss
+    assert not torch.allclose(train_loss, eval_a)
+
+
+def test_bad_configs_raise_naming_the_fields():
+    cases = [
+        (dict(causal=True, n_sortcut=2), "n_sortcut"),
+        (dict(causal=True, use_simple_sort_net=True), "use_simple_sort_net"),
+        (dict(causal=True, non_permutative=False), "non_permutative"),
+        (dict(hidden_size=30, num_attention_heads=4), "num_attention_heads"),
+        (dict(num_attention_heads=4, n_local_attn_heads=5), "n_local_attn_heads"),
+        (dict(bucket_size=0), "bucket_size"),
+        (dict(pkm_layers=[7], num_hidden_layers=2), "pkm_layers"),
+        (dict(layer_dropout=1.5), "layer_dropout"),
+        (dict(bucket_sise=8), "bucket_sise"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(ValueError, match=field):
+            SinkhornConfig(**kwargs)
+    with pytest.raises(ValueError, match="causal"):
+        SinkhornForCausalLM(SinkhornConfig(**TINY))
+    with pytest.raises(ValueError, match="causal"):
+        SinkhornForMaskedLM(SinkhornConfig(**TINY, causal=True))
+
+
+def test_seed_names_are_aliases():
+    config = SinkhornConfig(num_tokens=11, dim=16, depth=3, heads=2, max_seq_len=64, temperature=0.5)
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (11, 16, 3)
+    assert (config.num_attention_heads, config.max_position_embeddings, config.sort_temperature) == (2, 64, 0.5)
+    assert config.dim == 16 and config.depth == 3
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = causal_lm(seed=10, max_position_embeddings=32)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.randint(0, 40, (1, 33)))
+    with pytest.raises(ValueError, match="token ids"):
+        model(torch.tensor([[1, 2, 40]]))
+    with pytest.raises(ValueError, match="token ids"):
+        model(torch.tensor([[1, -2, 3]]))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(torch.randint(0, 40, (2, 10)), attention_mask=torch.ones(2, 9))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        out = model(torch.randint(0, 40, (1, 30)), use_cache=True)
+        model(torch.randint(0, 40, (1, 3)), cache=out.cache, use_cache=True)
