@@ -128,6 +128,8 @@ def test_trainer_finetunes_and_checkpoint_reloads(saved, small_text, tmp_path):
         if name in after:
             torch.testing.assert_close(tensor, after[name], rtol=0, atol=0)
     AutoTokenizer.from_pretrained(checkpoint)  # the tokenizer travels with the checkpoint
+    card = (out / "README.md").read_text()  # the longrange model card, with the final evaluation
+    assert "## Metrics" in card and f"| eval_accuracy | {metrics['eval_accuracy']:.4g} |" in card
 
     # evaluation metrics: accuracy in [0, 1], perplexity = exp(mean NLL) computed here from the reloaded model
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
