@@ -45,6 +45,25 @@ CARD_CONFIG_FIELDS = (
 )
 
 
+def check_model_source(source: str | Path, need_tokenizer: bool = True) -> str:
+    """Fail early, with a clear message, on a model argument that cannot load; returns it as a string.
+
+    An existing path must be a `save_pretrained` folder (config.json, and a tokenizer when `need_tokenizer`); a string
+    that looks like a path but does not exist is an error; anything else is taken as a Hub id.
+    """
+    source = str(source)
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{source} is not a saved model folder (no config.json in it)")
+        if need_tokenizer and not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise FileNotFoundError(f"{source} has no tokenizer; save one there with tokenizer.save_pretrained")
+        return source
+    if source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source:
+        raise FileNotFoundError(f"no such model folder: {source}")
+    return source  # a Hub id
+
+
 def _format_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"

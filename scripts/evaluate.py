@@ -35,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import longrange  # noqa: E402,F401  registers the longrange model types with the Auto classes
+from longrange.hub import check_model_source  # noqa: E402
 from longrange.tokenization import decode_bytes, encode_bytes  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def nll_with_cache(model, ids: torch.Tensor, chunk_length: int) -> Scores:
-    """Feed `ids` in chunks, carrying the model's cache; the last logits of a chunk predict the next chunk's first token."""
+    """Feed `ids` in chunks, carrying the model's cache; a chunk's last logits predict the next chunk's first token."""
     device = next(model.parameters()).device
     losses, cache, previous = [], None, None  # previous: [vocab] logits of the last token fed so far
     for start in range(0, len(ids), chunk_length):
@@ -204,6 +205,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> tuple[dict, Scores]:
     args = parse_args(argv)
+    check_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     model.to(args.device).eval()

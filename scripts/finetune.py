@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 
 import longrange  # noqa: F401  registers the longrange model types with the Auto classes
 from longrange.data import check_window, load_corpus, tokenize_corpus, window_multiple, windows_dataset
-from longrange.hub import write_model_card
+from longrange.hub import check_model_source, write_model_card
 from longrange.metrics import load_metric
 from longrange.tokenization import is_byte_tokenizer
 
@@ -180,6 +180,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
 def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
     set_seed(args.seed)
+    check_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     unit = window_multiple(model.config)
@@ -207,7 +208,8 @@ def main(argv=None) -> dict[str, float]:
         compute_metrics=make_compute_metrics() if eval_set is not None else None,
         preprocess_logits_for_metrics=next_token_predictions,
         card={
-            "dataset": f"fine-tuned on {corpus.name} ({len(streams.ids['train']):,} training tokens, windows of {window})",
+            "dataset": f"fine-tuned on {corpus.name} ({len(streams.ids['train']):,} training tokens, "
+            f"windows of {window})",
             "training_args": {
                 "base model": args.model,
                 "max_steps": args.max_steps,

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
 
 import longrange  # noqa: F401  registers the longrange model types with the Auto classes
+from longrange.hub import check_model_source
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[str]:
     args = parse_args(argv)
     set_seed(args.seed)
+    check_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     model.to(args.device).eval()

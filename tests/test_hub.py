@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from longrange import CompressiveConfig, CompressiveForCausalLM
-from longrange.hub import prepare_hub_folder, push_folder, write_model_card
+from longrange.hub import check_model_source, prepare_hub_folder, push_folder, write_model_card
 from longrange.metrics import load_metric, metric_path
 from longrange.tokenization import byte_tokenizer
 
@@ -110,3 +110,17 @@ def test_push_folder_creates_repo_and_uploads_that_folder(saved_compressive, tmp
     with pytest.raises(FileNotFoundError, match="safetensors"):
         push_folder(tmp_path, "me/x")
     assert json.loads((out / "config.json").read_text())["model_type"] == "compressive"
+
+
+def test_check_model_source_says_what_is_wrong(saved_compressive, tmp_path):
+    folder, _, _ = saved_compressive
+    assert check_model_source(folder) == str(folder)
+    assert check_model_source("me/tiny-compressive") == "me/tiny-compressive"  # a Hub id is passed on
+    with pytest.raises(FileNotFoundError, match="no such model folder"):
+        check_model_source("./runs/missing")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        check_model_source(tmp_path)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        check_model_source(folder)
