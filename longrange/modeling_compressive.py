@@ -325,8 +325,9 @@ class CompressiveAttention(nn.Module):
         batch, q_len, hidden = query_input.shape
         query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
         # position scores: (q + v) . r for every distance, then shifted to (query, key) pairs
-        position = torch.matmul(query + self.position_bias[:, None], relative.permute(1, 2, 0))  # [b, h, q, K]
-        position = relative_shift(position) * self.scale
+        # (the scale is folded into the small query, not applied to the [b, h, q, K] scores)
+        position_query = (query + self.position_bias[:, None]) * self.scale
+        position = relative_shift(torch.matmul(position_query, relative.permute(1, 2, 0)))  # [b, h, q, K]
         result = attend(
             query + self.content_bias[:, None],
             keys,
@@ -389,14 +390,15 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        relative: torch.Tensor,
         memory: torch.Tensor | None = None,
         memory_keys: torch.Tensor | None = None,
         memory_values: torch.Tensor | None = None,
-        relative: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         need_weights: bool = False,
     ):
-        """hidden_states [batch, q, hidden]: this chunk's layer inputs. Either `memory` [batch, M, hidden] (raw
+        """hidden_states [batch, q, hidden]: this chunk's layer inputs; relative [K, heads, d_head]: projected
+        encodings of distances K-1 ... 0 (positional, like hidden_states: it carries gradient to r_proj). Either `memory` [batch, M, hidden] (raw
         [c_mem, mem, pending], projected here so the LM loss trains the key/value projection) or the already
         projected `memory_keys` / `memory_values` [batch, heads, M, d_head] (inference). Memories are passed under
         these names, never `cache`, so gradient checkpointing keeps them.
@@ -566,9 +568,18 @@ class CompressiveModel(CompressivePreTrainedModel):
 
         # projected memories are reused only when nothing is trained (weights cannot change under a no-grad call)
         reuse_projections = not torch.is_grad_enabled()
-        if not reuse_projections:
+        if reuse_projections:
+            max_keys = config.c_mem_len + config.mem_len + config.segment_length
+            for layer, layer_state in zip(self.layers, cache.layers):
+                if layer_state.rel_table is None:
+                    layer_state.rel_table = self._relative_table(layer, max_keys, hidden_states)
+            relative_tables = [layer_state.rel_table for layer_state in cache.layers]
+        else:
             for layer_state in cache.layers:
                 layer_state.keys = layer_state.values = layer_state.rel_table = None
+            # projected once per call (with gradient) for the longest key span any chunk of this call can reach
+            max_keys = min(config.c_mem_len + config.mem_len + config.segment_length, cache.memory_slots() + seq_len)
+            relative_tables = [self._relative_table(layer, max_keys, hidden_states) for layer in self.layers]
 
         all_hidden = [hidden_states] if output_hidden_states else None
         outputs, per_layer_outputs = [], [[] for _ in self.layers] if output_hidden_states else None
@@ -580,7 +591,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             pending_len = cache.layers[0].pending.shape[1]
             end = min(seq_len, start + config.segment_length - pending_len)
             chunk_out, chunk_hidden = self._forward_chunk(
-                hidden_states[:, start:end], valid[:, start:end], cache, reuse_projections, reconstruction_losses
+                hidden_states[:, start:end], valid[:, start:end], cache, relative_tables, reconstruction_losses
             )
             outputs.append(chunk_out)
             if output_hidden_states:
@@ -647,7 +658,12 @@ class CompressiveModel(CompressivePreTrainedModel):
             )
         return attention_mask[:, -seq_len:].to(device=device, dtype=torch.bool)
 
-    def _forward_chunk(self, hidden_states, valid, cache, reuse_projections, reconstruction_losses):
+    def _relative_table(self, layer, length: int, like: torch.Tensor) -> torch.Tensor:
+        # [length, heads, d_head]: the layer's projected sinusoidal encodings of distances 0 ... length - 1
+        distances = torch.arange(length, device=like.device)
+        return layer.attention.project_relative(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
+
+    def _forward_chunk(self, hidden_states, valid, cache, relative_tables, reconstruction_losses):
         """One chunk (the rest of the current segment at most) through every layer, then the memory update of each
         layer if the chunk completes the segment."""
         config = self.config
@@ -659,34 +675,27 @@ class CompressiveModel(CompressivePreTrainedModel):
         causal = torch.ones(q_len, k_len, dtype=torch.bool, device=valid.device).tril(k_len - q_len)
         mask = key_valid[:, None, None, :] & causal  # [batch, 1, q, K]
         completes_segment = first.pending.shape[1] + q_len == config.segment_length
-        distances = torch.arange(k_len - 1, -1, -1, device=valid.device)
-        sinusoid = None
-        if not reuse_projections:
-            sinusoid = sinusoidal_embedding(distances, config.hidden_size).to(hidden_states.dtype)  # [K, hidden]
+        reuse_projections = not torch.is_grad_enabled()
 
         layer_outputs = []
-        for layer, state in zip(self.layers, cache.layers):
+        for layer, state, table in zip(self.layers, cache.layers, relative_tables):
+            relative = table[:k_len].flip(0)  # [K, heads, d_head], distances K-1 ... 0
             if reuse_projections:
-                if state.rel_table is None:
-                    max_keys = config.c_mem_len + config.mem_len + config.segment_length
-                    table = sinusoidal_embedding(torch.arange(max_keys, device=valid.device), config.hidden_size)
-                    state.rel_table = layer.attention.project_relative(table.to(hidden_states.dtype))
                 if state.keys is None:
                     state.keys, state.values = layer.project_memory(state.context())
-                relative = state.rel_table[:k_len].flip(0)  # [K, heads, d_head], distances K-1 ... 0
                 out, new_keys, new_values, weights = layer(
                     hidden_states,
+                    relative,
                     memory_keys=state.keys,
                     memory_values=state.values,
-                    relative=relative,
                     attention_mask=mask,
                     need_weights=self.track_usage,
                 )
             else:
                 out, new_keys, new_values, weights = layer(
                     hidden_states,
+                    relative,
                     memory=state.context(),
-                    relative=layer.attention.project_relative(sinusoid),
                     attention_mask=mask,
                     need_weights=self.track_usage,
                 )

@@ -1,0 +1,313 @@
+"""Compressive Transformer: causality, memory schedule, segment equivalence, padding, relative attention.
+
+Every expected number comes from an independent computation written here (a hand-computed schedule, a direct
+loop over relative distances, a plain re-run of the full model), not from the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longrange import CompressiveConfig, CompressiveForCausalLM
+from longrange.layers import sinusoidal_embedding
+from longrange.modeling_compressive import CompressiveAttention, relative_shift
+
+VOCAB = 37
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny tensors on a shared 2-core machine: intra-op threads only add contention (100x slower under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides) -> CompressiveConfig:
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        segment_length=4,
+        mem_len=6,
+        c_mem_len=3,
+        compression_rate=2,
+    )
+    settings.update(overrides)
+    return CompressiveConfig(**settings)
+
+
+def tiny_model(seed: int = 0, **overrides) -> CompressiveForCausalLM:
+    torch.manual_seed(seed)
+    model = CompressiveForCausalLM(tiny_config(**overrides))
+    # zero-initialised u/v biases would hide mistakes in the position terms: make them non-trivial
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attention.content_bias.normal_(0, 0.5)
+            layer.attention.position_bias.normal_(0, 0.5)
+    return model.eval()
+
+
+COMPRESSIONS = [
+    dict(compression_function="conv1d"),
+    dict(compression_function="dilated_conv", reconstruction_loss="autoencoding"),
+    dict(compression_function="max_pool", reconstruction_loss="none"),
+    dict(compression_function="mean_pool", reconstruction_loss="none"),
+    dict(compression_function="most_used", reconstruction_loss="none"),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. causality
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", COMPRESSIONS + [dict(layer_norm_position="post"), dict(pkm_layers=[2])])
+def test_changing_a_token_never_changes_earlier_logits(options):
+    model = tiny_model(**options)
+    ids = torch.randint(0, VOCAB, (2, 22))  # 5.5 segments: memory full, compression under way
+    with torch.no_grad():
+        base = model(ids).logits
+        # p inside a segment, on a segment boundary, and after the first compression (segment 3 on)
+        for p in (1, 4, 9, 13, 18, 21):
+            changed = ids.clone()
+            changed[:, p] = (changed[:, p] + 1) % VOCAB
+            logits = model(changed).logits
+            torch.testing.assert_close(logits[:, :p], base[:, :p], atol=1e-5, rtol=0)
+            assert (logits[:, p:] - base[:, p:]).abs().max() > 1e-4  # the change is seen from p on
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. memory schedule, hand-computed
+# ---------------------------------------------------------------------------------------------------------------
+
+# segment 4, compression rate 2, c_mem_len 3. Entries are token positions; a tuple is the mean of its positions.
+SCHEDULE_MEM_LEN_6 = [
+    # (tokens seen, compressed memory, memory)
+    (4, [], [0, 1, 2, 3]),
+    (8, [(0, 1)], [2, 3, 4, 5, 6, 7]),  # 8 > 6: evict ceil(2/2)*2 = 2
+    (12, [(0, 1), (2, 3), (4, 5)], [6, 7, 8, 9, 10, 11]),  # 10 > 6: evict 4
+    (16, [(4, 5), (6, 7), (8, 9)], [10, 11, 12, 13, 14, 15]),  # c_mem keeps its newest 3
+    (20, [(8, 9), (10, 11), (12, 13)], [14, 15, 16, 17, 18, 19]),
+]
+SCHEDULE_MEM_LEN_5 = [
+    (4, [], [0, 1, 2, 3]),
+    (8, [(0, 1), (2, 3)], [4, 5, 6, 7]),  # 8 > 5: evict ceil(3/2)*2 = 4, memory drops to 4
+    (12, [(2, 3), (4, 5), (6, 7)], [8, 9, 10, 11]),
+]
+
+
+@pytest.mark.parametrize("mem_len,schedule", [(6, SCHEDULE_MEM_LEN_6), (5, SCHEDULE_MEM_LEN_5)])
+def test_memory_schedule_matches_hand_computation(mem_len, schedule):
+    model = tiny_model(mem_len=mem_len, compression_function="mean_pool", reconstruction_loss="none")
+    ids = torch.randint(0, VOCAB, (1, schedule[-1][0]))
+    embeddings = model.model.embed_tokens(ids)[0].detach()  # layer 0's inputs (no dropout)
+
+    def expected(entries):
+        rows = [embeddings[list(e)].mean(0) if isinstance(e, tuple) else embeddings[e] for e in entries]
+        return torch.stack(rows) if rows else embeddings[:0]
+
+    cache = None
+    with torch.no_grad():
+        for seen, c_mem, mem in schedule:
+            start = 0 if cache is None else cache.get_seq_length()
+            cache = model(ids[:, start:seen], cache=cache, use_cache=True).cache
+            state = cache.layers[0]
+            assert cache.get_seq_length() == seen
+            assert state.pending.shape[1] == 0
+            torch.testing.assert_close(state.c_mem[0], expected(c_mem))
+            torch.testing.assert_close(state.mem[0], expected(mem))
+            # the layer attends over [compressed memory, memory] in that order
+            torch.testing.assert_close(state.context()[0], torch.cat([expected(c_mem), expected(mem)]))
+            # deeper layers follow the same lengths
+            for deeper in cache.layers[1:]:
+                assert deeper.c_mem.shape[1] == len(c_mem) and deeper.mem.shape[1] == len(mem)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. one long forward == segment-wise forwards with the cache
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", COMPRESSIONS)
+@pytest.mark.parametrize("grad", [False, True])
+def test_one_forward_equals_forwards_passing_the_cache(options, grad):
+    model = tiny_model(**options)
+    ids = torch.randint(0, VOCAB, (2, 16))  # 4 segments
+    with torch.set_grad_enabled(grad):
+        full = model(ids).logits
+        for step in (4, 3):  # segment by segment, and in calls that straddle segment boundaries
+            cache, parts = None, []
+            for start in range(0, 16, step):
+                out = model(ids[:, start : start + step], cache=cache, use_cache=True)
+                cache, parts = out.cache, parts + [out.logits]
+            torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_labels_are_shifted_over_the_whole_sequence_across_segments():
+    model = tiny_model()
+    ids = torch.randint(0, VOCAB, (2, 11))
+    labels = ids.clone()
+    labels[0, 5] = -100
+    out = model(ids, labels=labels)
+    logits = out.logits
+    terms = [
+        F.cross_entropy(logits[b, t], labels[b, t + 1], reduction="sum")
+        for b in range(2)
+        for t in range(10)
+        if labels[b, t + 1] != -100
+    ]
+    torch.testing.assert_close(out.lm_loss, torch.stack(terms).mean())
+    torch.testing.assert_close(out.loss, out.lm_loss)  # eval: no reconstruction loss
+    with_items = model(ids, labels=labels, num_items_in_batch=7)
+    torch.testing.assert_close(with_items.lm_loss, torch.stack(terms).sum() / 7)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# padding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", COMPRESSIONS)
+def test_padded_positions_are_never_attended_nor_pollute_memory(options):
+    model = tiny_model(**options)
+    ids = torch.randint(1, VOCAB, (2, 19))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0  # row 0 left-padded over almost two segments: pads reach memory and compressed memory
+    with torch.no_grad():
+        base = model(ids, attention_mask=mask)
+        other = ids.clone()
+        other[0, :7] = torch.randint(1, VOCAB, (7,))  # different padding content
+        changed = model(other, attention_mask=mask)
+    torch.testing.assert_close(changed.logits[0, 7:], base.logits[0, 7:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(changed.logits[1], base.logits[1], atol=1e-5, rtol=0)
+    # after the run row 0's padding sits in compressed memory, marked invalid; row 1 is all valid
+    cache = model(ids, attention_mask=mask, use_cache=True).cache
+    state = cache.layers[0]
+    assert not state.c_mem_valid[0].all() and state.c_mem_valid[1].all()
+    assert state.mem_valid.all()
+
+
+def test_attention_mask_may_cover_the_whole_history_or_only_new_tokens():
+    model = tiny_model()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        first = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
+        cache_a = first.cache
+        a = model(ids[:, 6:], attention_mask=mask, cache=cache_a).logits  # generate() style: full history
+        cache_b = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True).cache
+        b = model(ids[:, 6:], attention_mask=mask[:, 6:], cache=cache_b).logits
+    torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# relative attention: the shift against a direct loop over distances
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_relative_shift_matches_direct_indexing():
+    q_len, k_len = 5, 9
+    by_distance = torch.randn(2, 3, q_len, k_len)  # column c holds distance k_len - 1 - c
+    shifted = relative_shift(by_distance)
+    for i in range(q_len):
+        for j in range(k_len - q_len + i + 1):  # visible keys only
+            distance = (k_len - q_len + i) - j
+            assert torch.equal(shifted[..., i, j], by_distance[..., i, k_len - 1 - distance])
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation):
+    config = tiny_config()
+    config._attn_implementation = implementation
+    torch.manual_seed(0)
+    attention = CompressiveAttention(config).eval()
+    with torch.no_grad():
+        attention.content_bias.normal_()
+        attention.position_bias.normal_()
+    batch, q_len, k_len, hidden = 2, 4, 10, config.hidden_size
+    heads, d_head = config.num_attention_heads, hidden // config.num_attention_heads
+    query_input = torch.randn(batch, q_len, hidden)
+    context = torch.randn(batch, k_len - q_len, hidden)
+    keys, values = attention.project_kv(torch.cat([context, query_input], dim=1))
+    key_valid = torch.ones(batch, k_len, dtype=torch.bool)
+    key_valid[1, :2] = False
+    causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    mask = key_valid[:, None, None, :] & causal
+    relative = attention.project_relative(sinusoidal_embedding(torch.arange(k_len - 1, -1, -1), hidden))
+    with torch.no_grad():
+        out, _ = attention(query_input, keys, values, relative, mask)
+
+        # direct computation, one (batch, head, query, key) at a time
+        q = attention.q_proj(query_input).view(batch, q_len, heads, d_head)
+        w_r = attention.r_proj.weight
+        expected = torch.zeros(batch, q_len, heads, d_head)
+        for b in range(batch):
+            for h in range(heads):
+                for i in range(q_len):
+                    scores, visible = [], []
+                    for j in range(k_len):
+                        distance = (k_len - q_len + i) - j
+                        if distance < 0 or not key_valid[b, j]:
+                            continue
+                        r = (w_r @ sinusoidal_embedding(torch.tensor([distance]), hidden)[0]).view(heads, d_head)[h]
+                        content = (q[b, i, h] + attention.content_bias[h]) @ keys[b, h, j]
+                        position = (q[b, i, h] + attention.position_bias[h]) @ r
+                        scores.append((content + position) / math.sqrt(d_head))
+                        visible.append(j)
+                    probs = torch.softmax(torch.stack(scores), dim=0)
+                    expected[b, i, h] = sum(p * values[b, h, j] for p, j in zip(probs, visible))
+        expected = attention.o_proj(expected.reshape(batch, q_len, hidden))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compression functions, against direct computations
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_compression_functions_against_direct_computation():
+    from longrange.modeling_compressive import COMPRESSION_CLASSES
+
+    torch.manual_seed(0)
+    hidden, rate = 3, 2
+    memories = torch.randn(1, 6, hidden)
+    valid = torch.tensor([[False, False, False, True, True, True]])
+    usage = torch.tensor([[9.0, 9.0, 1.0, 5.0, 2.0, 3.0]])
+
+    out, out_valid = COMPRESSION_CLASSES["max_pool"](hidden, rate)(memories, valid, usage)
+    torch.testing.assert_close(out[0], torch.stack([torch.zeros(hidden), memories[0, 3], memories[0, 4:6].amax(0)]))
+    assert out_valid.tolist() == [[False, True, True]]
+
+    out, out_valid = COMPRESSION_CLASSES["mean_pool"](hidden, rate)(memories, valid, usage)
+    torch.testing.assert_close(out[0], torch.stack([torch.zeros(hidden), memories[0, 3], memories[0, 4:6].mean(0)]))
+
+    # most used: the 3 valid slots with most attention, in temporal order (invalid slots never win over valid)
+    out, out_valid = COMPRESSION_CLASSES["most_used"](hidden, rate)(memories, valid, usage)
+    torch.testing.assert_close(out[0], memories[0, [3, 4, 5]])
+    assert out_valid.all()
+
+    conv = COMPRESSION_CLASSES["conv1d"](hidden, rate)
+    out, out_valid = conv(memories, valid, usage)
+    w, b = conv.conv.weight, conv.conv.bias  # [out, in, k]
+    masked = memories[0] * valid[0, :, None]
+    direct = torch.stack([w[:, :, 0] @ masked[2 * g] + w[:, :, 1] @ masked[2 * g + 1] + b for g in range(3)])
+    torch.testing.assert_close(out[0], direct)
+
+    dilated = COMPRESSION_CLASSES["dilated_conv"](hidden, rate)
+    out, out_valid = dilated(memories, valid, usage)
+    w, b = dilated.conv.weight, dilated.conv.bias
+    # slot g ends at the end of its group and reads every second memory: positions 2g - 1 and 2g + 1
+    padded = torch.cat([torch.zeros(1, hidden), masked])  # index shift by rate - 1 = 1
+    direct = torch.stack([w[:, :, 0] @ padded[2 * g] + w[:, :, 1] @ padded[2 * g + 2] + b for g in range(3)])
+    torch.testing.assert_close(out[0], direct)
+    # sources of slot 0: position 1 (invalid) and padding -> invalid; slot 1: positions 1, 3 -> valid
+    assert out_valid.tolist() == [[False, True, True]]
