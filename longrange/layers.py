@@ -41,9 +41,9 @@ def attend(
     if bias is not None:
         additive = bias.to(query.dtype)
     if mask is not None:
-        neg = torch.finfo(query.dtype).min
-        fill = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, neg)
-        additive = fill if additive is None else (additive + fill).clamp_min(neg)
+        neg = torch.tensor(torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+        # one pass over the [.., q_len, k_len] scores: masked entries become the most negative float
+        additive = torch.where(mask, additive if additive is not None else query.new_zeros(()), neg)
     probs = None
     if implementation == "sdpa" and not return_weights:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, dropout_p=dropout, scale=scale)
