@@ -35,7 +35,7 @@ class CompressiveConfig(PreTrainedConfig):
         pad_token_id / bos_token_id / eos_token_id (`int`, optional): special token ids.
         segment_length (`int`, defaults to 512): tokens per segment; longer inputs are processed segment by
             segment, and memories are updated after each complete segment.
-        mem_len (`int`, defaults to 512): most (uncompressed) memories kept per layer.
+        mem_len (`int`, defaults to 512): most (uncompressed) memories kept per layer; at least `compression_rate`.
         c_mem_len (`int`, defaults to 128): most compressed memories kept per layer.
         compression_rate (`int`, defaults to 4): `c`: evicted memories are compressed `c` to 1.
         compression_function (`str`, defaults to `"conv1d"`): `f_c`, one per layer: `"conv1d"` (kernel = stride
@@ -115,6 +115,11 @@ class CompressiveConfig(PreTrainedConfig):
         for name in ("segment_length", "mem_len", "c_mem_len", "compression_rate", "pkm_num_keys", "pkm_heads"):
             positive_int(name)
         positive_int("pkm_topk")
+        if self.mem_len < self.compression_rate:
+            raise ValueError(
+                f"mem_len ({self.mem_len}) must be >= compression_rate ({self.compression_rate}): evictions come in "
+                "whole groups of compression_rate memories"
+            )
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "

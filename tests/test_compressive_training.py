@@ -1,0 +1,140 @@
+"""Compressive Transformer training: where each loss sends its gradient, streaming memories, checkpointing, bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_compressive_model import VOCAB, single_thread, tiny_model  # noqa: F401
+
+
+def grads_of(loss, model):
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
+    return {name: g for name, g in zip(params, grads)}
+
+
+def nonzero(grad) -> bool:
+    return grad is not None and grad.abs().max() > 0
+
+
+@pytest.mark.parametrize(
+    "options,trained",
+    [
+        (dict(compression_function="conv1d", reconstruction_loss="attention"), ("compress.",)),
+        (dict(compression_function="dilated_conv", reconstruction_loss="attention"), ("compress.",)),
+        (dict(compression_function="conv1d", reconstruction_loss="autoencoding"), ("compress.", "decompress.")),
+    ],
+)
+def test_reconstruction_loss_trains_only_compression_and_lm_loss_trains_key_value_projections(options, trained):
+    model = tiny_model(**options).train()
+    ids = torch.randint(0, VOCAB, (2, 16))  # compression starts after the second segment
+    out = model(ids, labels=ids)
+    assert out.reconstruction_loss is not None and out.reconstruction_loss > 0
+    torch.testing.assert_close(
+        out.loss, out.lm_loss + model.config.reconstruction_loss_weight * out.reconstruction_loss
+    )
+
+    recon = grads_of(out.reconstruction_loss, model)
+    for name, grad in recon.items():
+        if name.split("layers.")[-1].split(".", 1)[-1].startswith(trained):
+            assert nonzero(grad), name
+        else:
+            assert not nonzero(grad), f"reconstruction loss reached {name}"
+
+    lm = grads_of(out.lm_loss, model)
+    for layer in range(model.config.num_hidden_layers):
+        # the key/value projection keeps training after compression has started (reference defect 6)
+        assert nonzero(lm[f"model.layers.{layer}.attention.kv_proj.weight"])
+        assert nonzero(lm[f"model.layers.{layer}.attention.q_proj.weight"])
+        # the language-model loss never reaches f_c (compressed memories are detached)
+        for name, grad in lm.items():
+            if f"layers.{layer}.compress." in name or f"layers.{layer}.decompress." in name:
+                assert not nonzero(grad), name
+    # nothing was frozen to get there
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def hand_attention(layer, queries_from, memories):
+    """Attention without positions from `queries_from` to `memories`, written out with plain tensor operations."""
+    import torch.nn.functional as F
+
+    attn, norm = layer.attention, layer.attn_input_norm
+    heads, d_head = attn.num_heads, attn.head_dim
+
+    def normed(x):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+    q = (normed(queries_from) @ attn.q_proj.weight.T).view(-1, heads, d_head)
+    k, v = (normed(memories) @ attn.kv_proj.weight.T).chunk(2, dim=-1)
+    k, v = k.view(-1, heads, d_head), v.view(-1, heads, d_head)
+    probs = torch.einsum("qhd,khd->hqk", q, k).mul(d_head**-0.5).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def test_reconstruction_target_is_the_evicted_memories_only():
+    """One memory update evicts exactly the oldest 2 of 8 slots; the loss must equal an attention-reconstruction
+    loss computed by hand over those 2 memories, with the segment's normalised inputs as queries."""
+    model = tiny_model(reconstruction_loss="attention").train()
+    ids = torch.randint(0, VOCAB, (1, 8))
+    out = model(ids, labels=ids, output_hidden_states=True)
+    losses = []
+    for index, layer in enumerate(model.model.layers):
+        inputs = out.hidden_states[index][0].detach()  # layer inputs for the 8 tokens
+        segment, evicted = inputs[4:8], inputs[0:2]  # mem = 0..7 after segment 2, 8 > 6: evict the oldest 2
+        compressed = layer.compress.conv(evicted.T[None])[0].T  # [1, hidden]
+        difference = hand_attention(layer, segment, compressed) - hand_attention(layer, segment, evicted)
+        losses.append((difference**2).mean())
+    torch.testing.assert_close(out.reconstruction_loss, torch.stack(losses).mean())
+
+
+def test_streaming_training_carries_detached_memories():
+    model = tiny_model().train()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    first = model(ids[:, :8], labels=ids[:, :8], use_cache=True)
+    cache = first.cache
+    assert cache is not None and cache.get_seq_length() == 8
+    assert all(not t.requires_grad for layer in cache.layers for t in (layer.mem, layer.c_mem))
+    first.loss.backward()  # the next step does not need this graph
+    second = model(ids[:, 8:], labels=ids[:, 8:], cache=cache, use_cache=True)
+    second.loss.backward()
+    assert second.cache.get_seq_length() == 16
+    # with the carried memories the second window sees what a single forward over both windows sees
+    model.eval()
+    with torch.no_grad():
+        full = model(ids).logits[:, 8:]
+        carried = model(ids[:, 8:], cache=model(ids[:, :8], use_cache=True).cache).logits
+    torch.testing.assert_close(carried, full, atol=1e-5, rtol=1e-5)
+    # training mode returns no cache unless asked
+    assert model.train()(ids[:, :4]).cache is None
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(0, VOCAB, (2, 14))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(seed=3).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+            assert all(layer.gradient_checkpointing for layer in model.model.layers)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(compression_function="most_used", reconstruction_loss="none")])
+def test_bf16_autocast_forward_and_backward_stay_finite(options):
+    model = tiny_model(**options).train()
+    ids = torch.randint(0, VOCAB, (2, 18))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, attention_mask=mask, labels=ids)
+    assert torch.isfinite(out.loss) and torch.isfinite(
+        out.reconstruction_loss if out.reconstruction_loss is not None else out.loss
+    )
+    assert torch.isfinite(out.logits.float()).all()
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
