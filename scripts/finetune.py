@@ -16,23 +16,25 @@ accuracy module, no download) and perplexity. `--push_to_hub` / `--hub_model_id`
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+# scripts/evaluate.py would shadow the `evaluate` library (used by the metrics) for a script run from this folder
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import longrange  # noqa: F401  registers the longrange model types with the Auto classes
-from longrange.data import check_window, load_corpus, tokenize_corpus, window_multiple, windows_dataset
-from longrange.hub import check_model_source, write_model_card
-from longrange.metrics import load_metric
-from longrange.tokenization import is_byte_tokenizer
+import argparse  # noqa: E402
+import json  # noqa: E402
+from collections import defaultdict  # noqa: E402
 
-AUX_LOSSES = ("lm_loss", "reconstruction_loss")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed  # noqa: E402
+
+import longrange  # noqa: E402,F401  registers the longrange model types with the Auto classes
+from longrange.data import check_window, load_corpus, tokenize_corpus, window_multiple, windows_dataset  # noqa: E402
+from longrange.hub import check_model_source, write_model_card  # noqa: E402
+from longrange.metrics import load_metric  # noqa: E402
+from longrange.tokenization import is_byte_tokenizer  # noqa: E402
 
 
 class LongrangeTrainer(Trainer):
@@ -51,11 +53,25 @@ class LongrangeTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        lm_loss = getattr(outputs, "lm_loss", None)
+        # With `num_items_in_batch` the model divides the LM loss by the tokens of the whole accumulated batch, so
+        # Trainer does not divide the loss by the accumulation steps; the reconstruction part is a plain per-call mean
+        # and would count `accumulation steps` times over. Scale that part down (the ratio keeps Trainer's own
+        # multi-process factor).
+        normalised = num_items_in_batch is not None and self.model_accepts_loss_kwargs
+        steps = getattr(self, "current_gradient_accumulation_steps", 1)
+        if model.training and normalised and lm_loss is not None and steps > 1:
+            factor = (loss / outputs.loss).detach()
+            loss = loss - factor * (outputs.loss - lm_loss) * (1 - 1 / steps)
         phase = "train" if model.training else "eval"
-        for name in AUX_LOSSES:
-            value = getattr(outputs, name, None)
-            if value is not None:
-                self._aux[phase][name].append(value.detach().float())
+        if lm_loss is not None:
+            if normalised:  # back to the mean over this call's predicted tokens, for the log
+                predicted = inputs["labels"][..., 1:].ne(-100).sum()
+                lm_loss = lm_loss * num_items_in_batch / predicted.clamp_min(1)
+            self._aux[phase]["lm_loss"].append(lm_loss.detach().float())
+        reconstruction = getattr(outputs, "reconstruction_loss", None)
+        if reconstruction is not None:
+            self._aux[phase]["reconstruction_loss"].append(reconstruction.detach().float())
         return (loss, {"logits": outputs.logits}) if return_outputs else loss
 
     def _aux_means(self, phase: str) -> dict[str, float]:

@@ -112,7 +112,7 @@ def test_trainer_finetunes_and_checkpoint_reloads(saved, small_text, tmp_path):
     finetune = load_script("finetune")
     out = tmp_path / "ft"
     argv = [str(saved), "--data", str(small_text), "--output_dir", str(out), "--window", "32", "--max_steps", "3"]
-    argv += ["--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "3", "--eval_steps", "3"]
+    argv += ["--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "3"]
     argv += ["--learning_rate", "1e-3", "--max_eval_tokens", "256"]
     metrics = finetune.main(argv)
 
@@ -143,6 +143,36 @@ def test_trainer_finetunes_and_checkpoint_reloads(saved, small_text, tmp_path):
             weight = reloaded.config.reconstruction_loss_weight
             assert entry["loss"] == pytest.approx(entry["lm_loss"] + weight * entry["reconstruction_loss"], rel=1e-3)
         assert "eval_lm_loss" in metrics
+
+
+def test_finetune_accumulation_equals_one_big_batch(small_text, tmp_path):
+    """2 accumulation steps of 2 rows = 1 step of 4 rows, reconstruction loss included (Trainer would otherwise count
+    the per-call reconstruction mean twice), and the logged parts are per-token means either way."""
+    finetune = load_script("finetune")
+    tok = byte_tokenizer()
+    tiny_model("compressive", len(tok), {}).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    runs = {}
+    for name, batch, accumulation in (("big", "4", "1"), ("accumulated", "2", "2")):
+        out = tmp_path / name
+        argv = [str(tmp_path / "base"), "--data", str(small_text), "--output_dir", str(out), "--window", "32"]
+        argv += [
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            batch,
+            "--gradient_accumulation_steps",
+            accumulation,
+        ]
+        argv += ["--learning_rate", "1e-2", "--logging_steps", "1", "--save_steps", "100", "--max_eval_tokens", "0"]
+        finetune.main(argv)
+        history = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+        runs[name] = (load_file(out / "model.safetensors"), [e for e in history if "loss" in e])
+    for key, tensor in runs["big"][0].items():
+        torch.testing.assert_close(runs["accumulated"][0][key], tensor, rtol=1e-3, atol=1e-5)
+    for big, accumulated in zip(runs["big"][1], runs["accumulated"][1]):
+        for name in ("loss", "lm_loss", "reconstruction_loss"):
+            assert accumulated[name] == pytest.approx(big[name], rel=1e-3), name
 
 
 def test_finetune_perplexity_matches_direct_computation(saved, small_text, tmp_path):
