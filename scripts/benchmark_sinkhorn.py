@@ -31,7 +31,11 @@ Method.
   /proc/self/clear_refs cannot be written, a thread samples VmRSS every millisecond instead (the JSON says
   which method was used).
 - Timing: wall-clock `time.perf_counter()` around forward + loss + backward + optimizer step (training) and per
-  generated token (generation); torch's default thread count.
+  generated token (generation).
+- Threads: both sides run with the same torch thread count, `--threads` (default 1). On a 2-core machine shared
+  with other jobs, two OpenMP threads per process make every parallel op wait for a descheduled partner: we
+  measured one of our cached generation steps at 187 ms with 2 threads against 40 ms with 1, and our
+  1,024-token prefill at 11.1 s against 1.8 s. `--threads 0` keeps torch's default (use it on an idle machine).
 
 Usage:
     python scripts/benchmark_sinkhorn.py --quick            # tiny sizes, about a minute: smoke test / CI
@@ -113,9 +117,11 @@ def build(impl: str, opts: dict, for_mlm: bool = False):
         config = SinkhornConfig(**opts)
         cls = SinkhornForMaskedLM if for_mlm else SinkhornForCausalLM
         model = cls(config)
+        # training: no generation cache (the reference has none; a causal model would otherwise fill one)
+        extra = {} if for_mlm else {"use_cache": False}
 
         def forward(ids):
-            return model(input_ids=ids).logits
+            return model(input_ids=ids, **extra).logits
 
     return model, forward
 
@@ -270,6 +276,8 @@ def worker_generate_ours(spec: dict) -> dict:
 def worker(spec: dict) -> dict:
     import torch
 
+    if spec.get("threads", 0) > 0:
+        torch.set_num_threads(spec["threads"])
     result = {"threads": torch.get_num_threads()}
     if spec["case"] == "train":
         result.update(worker_train(spec))
@@ -288,6 +296,8 @@ def worker(spec: dict) -> dict:
 
 def run_job(spec: dict, timeout: float) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if spec.get("threads", 0) > 0:
+        env["OMP_NUM_THREADS"] = str(spec["threads"])
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(spec)],
         capture_output=True,
@@ -482,6 +492,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default: 1 quick, 2 full)")
     parser.add_argument("--cases", default="train,generate,sortcut", help="comma-separated: train,generate,sortcut")
     parser.add_argument("--out", type=Path, default=None, help="write all raw results and the summary as JSON")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides (0: torch default)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed for one worker")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -497,6 +508,7 @@ def main() -> None:
     started = time.time()
     for rep in range(reps):
         for label, spec in jobs_for(cases, size):
+            spec["threads"] = args.threads
             t0 = time.time()
             result = run_job(spec, args.timeout)
             results.setdefault(label, []).append(result)
@@ -504,9 +516,20 @@ def main() -> None:
             print(f"[rep {rep + 1}/{reps}] {label}: {status} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
     table, summary = tables(results, size)
     print(table)
-    print(f"\n(total {time.time() - started:.0f} s, {reps} interleaved repetition(s), quick={args.quick})")
+    print(
+        f"\n(total {time.time() - started:.0f} s, {reps} interleaved repetition(s), quick={args.quick}, "
+        f"threads={args.threads or 'torch default'})"
+    )
     if args.out is not None:
-        payload = dict(quick=args.quick, reps=reps, sizes=size, common_options=COMMON, summary=summary, raw=results)
+        payload = dict(
+            quick=args.quick,
+            reps=reps,
+            threads=args.threads,
+            sizes=size,
+            common_options=COMMON,
+            summary=summary,
+            raw=results,
+        )
         args.out.write_text(json.dumps(payload, indent=1))
 
 
