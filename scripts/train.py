@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="carry the Compressive memory from step to step (default: on when streaming a compressive model)",
     )
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max_steps", type=int, default=600, help="optimizer steps")
+    g.add_argument("--max_steps", type=int, default=1200, help="optimizer steps")
     g.add_argument("--batch_size", type=int, default=8, help="rows per process and accumulation micro-step")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1)
     g.add_argument("--learning_rate", type=float, default=2e-3)
@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--eval_tokens", type=int, default=32768, help="validation tokens per evaluation (0 = all)")
     g.add_argument("--eval_batch_size", type=int, default=8)
     g.add_argument("--log_every", type=int, default=10)
-    g.add_argument("--save_every", type=int, default=200, help="checkpoint every N steps (0 = only at the end)")
+    g.add_argument("--save_every", type=int, default=400, help="checkpoint every N steps (0 = only at the end)")
     g.add_argument("--resume_from", default=None, help="checkpoint folder, or 'latest' (newest under output_dir)")
     g.add_argument("--output_dir", default=None, help="default: outputs/<model>-<corpus>")
     g.add_argument("--report_to", nargs="*", default=[], help="Accelerate trackers, e.g. tensorboard wandb")
@@ -179,7 +179,9 @@ def default_prompts(corpus, n: int) -> list[str]:
     text = corpus.splits["validation"][0] if corpus.splits["validation"] else corpus.splits["train"][0]
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
+    # start each prompt at the beginning of a line, at evenly spaced places of the validation text
     starts = [int(i * len(text) / max(1, n)) for i in range(n)]
+    starts = [0 if s == 0 else text.find("\n", s) + 1 for s in starts]
     return [text[s : s + 24] for s in starts]
 
 
