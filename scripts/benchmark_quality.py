@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# scripts/ holds evaluate.py: it must never shadow the `evaluate` library for anything imported from here
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(REPO))
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+# scripts/ holds evaluate.py: it must never shadow the `evaluate` library for anything imported from here
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if __package__ in (None, ""):  # `python scripts/train.py` from a checkout: make `longrange` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

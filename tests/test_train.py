@@ -154,6 +154,26 @@ def test_bad_window_and_bad_data_fail_before_training(tmp_path):
         run(tmp_path / "w", "--max_steps", "1", "--window", "8")
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         train.main(["--data", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "m"), "--max_steps", "1"])
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        train.main(["--data", str(tmp_path / "empty.txt"), "--output_dir", str(tmp_path / "e"), "--max_steps", "1"])
+
+
+def test_non_utf8_bytes_train_with_the_byte_tokenizer(tmp_path):
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, 40_000, dtype=np.uint8).tobytes()  # mostly invalid UTF-8
+    path = tmp_path / "noise.bin"
+    path.write_bytes(raw)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    result = train.main(["--data", str(path), "--window", "32", "--batch_size", "2", "--max_steps", "2",
+                         "--eval_tokens", "512", "--num_samples", "1", "--sample_tokens", "8",
+                         "--output_dir", str(tmp_path / "out"), "--config", *TINY["compressive"]])  # fmt: skip
+    assert result["steps"] == 2 and np.isfinite(result["metrics"]["bits_per_byte"])
+    # random bytes carry 8 bits each: an untrained model cannot beat that by much
+    assert result["metrics"]["bits_per_byte"] > 7.5
 
 
 def test_main_job_command_writes_folder_plot_and_samples(tmp_path):
