@@ -45,9 +45,11 @@ class CompressiveMemoryLayer:
     memory and the layer inputs of the current unfinished segment, all un-normalised layer inputs. `*_valid`
     [batch, len] bool marks slots that hold a real (non-padding) token. `mem_usage` / `pending_usage` [batch, len]
     accumulate the attention each slot received (only for the "most_used" compression).
-    `keys` / `values` [batch, heads, c_len + m_len + p_len, d_head] are the projected keys/values of
-    [c_mem, mem, pending] and `rel_table` [max_keys, heads, d_head] the projected relative encodings; both are
-    kept only by inference (no-grad) forwards, so that decoding a token never re-projects the memory.
+    `keys` / `values` [batch, heads, capacity, d_head] are buffers whose first `projected_len` entries hold the
+    projected keys/values of [c_mem, mem, pending] (capacity = c_mem_len + mem_len + segment_length, so a decoding
+    step writes its key in place instead of copying the whole memory), and `rel_table` [heads, d_head, capacity]
+    the projected relative encodings of distances capacity-1 ... 0. Both are kept only by inference (no-grad)
+    forwards, so that decoding a token never re-projects the memory.
     """
 
     is_compileable = False
@@ -75,6 +77,23 @@ class CompressiveMemoryLayer:
         for name in self._BATCHED:
             setattr(self, name, None)
         self.rel_table = None
+        self.projected_len = 0
+
+    def drop_projections(self) -> None:
+        self.keys = self.values = self.rel_table = None
+        self.projected_len = 0
+
+    def projected(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # views [batch, heads, c_len + m_len + p_len, d_head] into the buffers
+        return self.keys[:, :, : self.projected_len], self.values[:, :, : self.projected_len]
+
+    def store_projected(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        batch, heads, length, d_head = keys.shape
+        self.keys = keys.new_empty(batch, heads, capacity, d_head)
+        self.values = values.new_empty(batch, heads, capacity, d_head)
+        self.keys[:, :, :length] = keys
+        self.values[:, :, :length] = values
+        self.projected_len = length
 
     @property
     def is_empty(self) -> bool:
@@ -308,8 +327,8 @@ class CompressiveAttention(nn.Module):
         return self.split_heads(keys), self.split_heads(values)  # [batch, heads, len, d_head] each
 
     def project_relative(self, sinusoid: torch.Tensor) -> torch.Tensor:
-        # [len, hidden] -> [len, heads, d_head]
-        return self.r_proj(sinusoid).view(-1, self.num_heads, self.head_dim)
+        # [len, hidden] -> [heads, d_head, len]: the layout the position matmul reads without a copy
+        return self.r_proj(sinusoid).view(-1, self.num_heads, self.head_dim).permute(1, 2, 0).contiguous()
 
     def forward(
         self,
@@ -321,13 +340,13 @@ class CompressiveAttention(nn.Module):
         need_weights: bool = False,
     ):
         """query_input [batch, q, hidden] (normalised segment inputs); keys/values [batch, heads, K, d_head] over
-        [c_mem, mem, pending, segment]; relative [K, heads, d_head] for distances K-1 ... 0; mask [batch, 1, q, K]."""
+        [c_mem, mem, pending, segment]; relative [heads, d_head, K] for distances K-1 ... 0; mask [batch, 1, q, K]."""
         batch, q_len, hidden = query_input.shape
         query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
         # position scores: (q + v) . r for every distance, then shifted to (query, key) pairs
         # (the scale is folded into the small query, not applied to the [b, h, q, K] scores)
         position_query = (query + self.position_bias[:, None]) * self.scale
-        position = relative_shift(torch.matmul(position_query, relative.permute(1, 2, 0)))  # [b, h, q, K]
+        position = relative_shift(torch.matmul(position_query, relative))  # [batch, heads, q, K]
         result = attend(
             query + self.content_bias[:, None],
             keys,
@@ -394,26 +413,31 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         memory: torch.Tensor | None = None,
         memory_keys: torch.Tensor | None = None,
         memory_values: torch.Tensor | None = None,
+        memory_length: int | None = None,
         attention_mask: torch.Tensor | None = None,
         need_weights: bool = False,
     ):
-        """hidden_states [batch, q, hidden]: this chunk's layer inputs; relative [K, heads, d_head]: projected
-        encodings of distances K-1 ... 0 (positional, like hidden_states: it carries gradient to r_proj). Either `memory` [batch, M, hidden] (raw
-        [c_mem, mem, pending], projected here so the LM loss trains the key/value projection) or the already
-        projected `memory_keys` / `memory_values` [batch, heads, M, d_head] (inference). Memories are passed under
-        these names, never `cache`, so gradient checkpointing keeps them.
+        """hidden_states [batch, q, hidden]: this chunk's layer inputs; relative [heads, d_head, K]: projected
+        encodings of distances K-1 ... 0 (positional, like hidden_states: it carries gradient to r_proj). Either
+        `memory` [batch, M, hidden] (raw [c_mem, mem, pending], projected here so the LM loss trains the key/value
+        projection) or, in inference, the cache's key/value buffers `memory_keys` / `memory_values`
+        [batch, heads, capacity, d_head] holding M = `memory_length` projected entries; the chunk's keys/values
+        are written into them in place. Memories are passed under these names, never `cache`, so gradient
+        checkpointing keeps them.
         Returns (output [batch, q, hidden], chunk keys, chunk values, attention probabilities or None)."""
-        q_len = hidden_states.shape[1]
+        query_input = self.attn_input_norm(hidden_states)
+        new_keys, new_values = self.attention.project_kv(query_input)  # [batch, heads, q, d_head] each
         if memory is not None:
-            normed = self.attn_input_norm(torch.cat([memory, hidden_states], dim=1))  # [batch, M + q, hidden]
-            keys, values = self.attention.project_kv(normed)
-            query_input = normed[:, -q_len:]
-            new_keys, new_values = keys[:, :, -q_len:], values[:, :, -q_len:]
-        else:
-            query_input = self.attn_input_norm(hidden_states)
-            new_keys, new_values = self.attention.project_kv(query_input)
+            # projected apart from the segment: memories are detached, so backward only needs the weight gradient
+            # for these rows, not an input gradient
+            memory_keys, memory_values = self.project_memory(memory)
             keys = torch.cat([memory_keys, new_keys], dim=2)
             values = torch.cat([memory_values, new_values], dim=2)
+        else:
+            end = memory_length + new_keys.shape[2]
+            memory_keys[:, :, memory_length:end] = new_keys
+            memory_values[:, :, memory_length:end] = new_values
+            keys, values = memory_keys[:, :, :end], memory_values[:, :, :end]
         attn_out, weights = self.attention(query_input, keys, values, relative, attention_mask, need_weights)
         hidden_states = self.attn_output_norm(hidden_states + self.dropout(attn_out))
         ff_out = self.feed_forward(self.ff_input_norm(hidden_states))
@@ -528,6 +552,8 @@ class CompressiveModel(CompressivePreTrainedModel):
         pre = config.layer_norm_position == "pre"
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else nn.Identity()
         self.track_usage = config.compression_function == "most_used"
+        # most key slots any chunk can see: a full compressed memory, a full memory and a whole segment
+        self._capacity = config.c_mem_len + config.mem_len + config.segment_length
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -569,16 +595,15 @@ class CompressiveModel(CompressivePreTrainedModel):
         # projected memories are reused only when nothing is trained (weights cannot change under a no-grad call)
         reuse_projections = not torch.is_grad_enabled()
         if reuse_projections:
-            max_keys = config.c_mem_len + config.mem_len + config.segment_length
             for layer, layer_state in zip(self.layers, cache.layers):
                 if layer_state.rel_table is None:
-                    layer_state.rel_table = self._relative_table(layer, max_keys, hidden_states)
+                    layer_state.rel_table = self._relative_table(layer, self._capacity, hidden_states)
             relative_tables = [layer_state.rel_table for layer_state in cache.layers]
         else:
             for layer_state in cache.layers:
-                layer_state.keys = layer_state.values = layer_state.rel_table = None
+                layer_state.drop_projections()
             # projected once per call (with gradient) for the longest key span any chunk of this call can reach
-            max_keys = min(config.c_mem_len + config.mem_len + config.segment_length, cache.memory_slots() + seq_len)
+            max_keys = min(self._capacity, cache.memory_slots() + seq_len)
             relative_tables = [self._relative_table(layer, max_keys, hidden_states) for layer in self.layers]
 
         all_hidden = [hidden_states] if output_hidden_states else None
@@ -659,8 +684,9 @@ class CompressiveModel(CompressivePreTrainedModel):
         return attention_mask[:, -seq_len:].to(device=device, dtype=torch.bool)
 
     def _relative_table(self, layer, length: int, like: torch.Tensor) -> torch.Tensor:
-        # [length, heads, d_head]: the layer's projected sinusoidal encodings of distances 0 ... length - 1
-        distances = torch.arange(length, device=like.device)
+        # [heads, d_head, length]: the layer's projected sinusoidal encodings of distances length - 1 ... 0, so that
+        # the K keys of any chunk read the last K columns (a view)
+        distances = torch.arange(length - 1, -1, -1, device=like.device)
         return layer.attention.project_relative(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
 
     def _forward_chunk(self, hidden_states, valid, cache, relative_tables, reconstruction_losses):
@@ -679,15 +705,16 @@ class CompressiveModel(CompressivePreTrainedModel):
 
         layer_outputs = []
         for layer, state, table in zip(self.layers, cache.layers, relative_tables):
-            relative = table[:k_len].flip(0)  # [K, heads, d_head], distances K-1 ... 0
+            relative = table[:, :, -k_len:]  # [heads, d_head, K], distances K-1 ... 0
             if reuse_projections:
                 if state.keys is None:
-                    state.keys, state.values = layer.project_memory(state.context())
+                    state.store_projected(*layer.project_memory(state.context()), self._capacity)
                 out, new_keys, new_values, weights = layer(
                     hidden_states,
                     relative,
                     memory_keys=state.keys,
                     memory_values=state.values,
+                    memory_length=state.projected_len,
                     attention_mask=mask,
                     need_weights=self.track_usage,
                 )
@@ -722,8 +749,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         state.pending = torch.cat([state.pending, inputs], dim=1)
         state.pending_valid = torch.cat([state.pending_valid, valid], dim=1)
         if state.keys is not None:
-            state.keys = torch.cat([state.keys, new_keys.detach()], dim=2)
-            state.values = torch.cat([state.values, new_values.detach()], dim=2)
+            state.projected_len += inputs.shape[1]  # the layer already wrote the chunk's keys/values in place
 
     def _update_memory(self, layer, state) -> torch.Tensor | None:
         """The schedule after a complete segment: mem = cat(mem, segment); evict the oldest
@@ -737,7 +763,8 @@ class CompressiveModel(CompressivePreTrainedModel):
         usage = torch.cat([state.mem_usage, state.pending_usage], dim=1) if self.track_usage else None
         keys = values = None
         if state.keys is not None:
-            keys, values = state.keys[:, :, c_len:], state.values[:, :, c_len:]  # of [mem, segment]
+            all_keys, all_values = state.projected()
+            keys, values = all_keys[:, :, c_len:], all_values[:, :, c_len:]  # of [mem, segment]
         overflow = memory.shape[1] - config.mem_len
         n_evict = -(-overflow // rate) * rate if overflow > 0 else 0
         loss = None
@@ -764,17 +791,15 @@ class CompressiveModel(CompressivePreTrainedModel):
             if keys is not None:
                 c_keys, c_values = layer.project_memory(compressed)
                 keys, values = keys[:, :, n_evict:], values[:, :, n_evict:]
-                c_keys = torch.cat([state.keys[:, :, :c_len], c_keys], dim=2)[:, :, -config.c_mem_len :]
-                c_values = torch.cat([state.values[:, :, :c_len], c_values], dim=2)[:, :, -config.c_mem_len :]
+                c_keys = torch.cat([all_keys[:, :, :c_len], c_keys], dim=2)[:, :, -config.c_mem_len :]
+                c_values = torch.cat([all_values[:, :, :c_len], c_values], dim=2)[:, :, -config.c_mem_len :]
                 keys, values = torch.cat([c_keys, keys], dim=2), torch.cat([c_values, values], dim=2)
-        elif keys is not None:
-            keys = torch.cat([state.keys[:, :, :c_len], keys], dim=2)
-            values = torch.cat([state.values[:, :, :c_len], values], dim=2)
+                state.store_projected(keys, values, self._capacity)
+        # without an eviction the buffers already read [c_mem, mem + segment]: nothing to move
         state.mem, state.mem_valid = memory, memory_valid
         state.pending, state.pending_valid = segment[:, :0], segment_valid[:, :0]
         if usage is not None:
             state.mem_usage, state.pending_usage = usage, usage[:, :0]
-        state.keys, state.values = keys, values
         return loss
 
 

@@ -97,10 +97,11 @@ def test_cache_size_stays_constant_while_generating():
             out = model(out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
             # slots held by every layer: compressed memory, memory, the unfinished segment and their projections
             slots = {(layer.c_mem.shape[1], layer.mem.shape[1], layer.pending.shape[1]) for layer in out.cache.layers}
-            projected = {layer.keys.shape[2] for layer in out.cache.layers} | {
-                layer.values.shape[2] for layer in out.cache.layers
-            }
+            projected = {layer.projected_len for layer in out.cache.layers}
+            buffers = {(layer.keys.shape, layer.values.shape) for layer in out.cache.layers}
             assert len(slots) == 1 and projected == {sum(next(iter(slots)))}
+            # the projected key/value buffers are allocated once, at their bound, and never grow
+            assert buffers == {((1, 4, 3 + 6 + 4, 8), (1, 4, 3 + 6 + 4, 8))}
             sizes.append(next(iter(slots)))
     assert out.cache.get_seq_length() == 3 + new_tokens
     # once full (after a few segments), compressed memory and memory keep the same size for good;
