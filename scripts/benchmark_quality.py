@@ -10,9 +10,9 @@ and gradient clipping are used on both sides:
 
 * ours: `scripts/train.py` itself (the default training loop: the Compressive model streams contiguous windows
   and carries its memory from step to step; Sinkhorn trains on shuffled windows);
-* reference: compressive-transformer-pytorch 0.4.0 / sinkhorn-transformer 0.11.4 with their own
-  `AutoregressiveWrapper` losses, fed the same batches in the same order (the Compressive reference's wrapper starts
-  every window with empty memories, as its training example does).
+* reference: compressive-transformer-pytorch 0.4.0 (its `AutoregressiveWrapper` loss, one backward per segment
+  as in its training example; memories start empty in every window) and sinkhorn-transformer 0.11.4 (its `Autopadder`
+  and the same shifted cross-entropy), fed the same batches in the same order.
 
 Validation uses the same windows for everyone. Ours is reported twice where it matters: with the memory carried
 across the whole validation text (how the model is meant to be used) and with a fresh memory per window (the
@@ -131,21 +131,27 @@ def reference(family: str, size: dict, args) -> dict:
             losses = [float(lm) for lm, _, _ in model(x, return_loss=True)]
             return sum(losses) / len(losses)
     else:
-        from sinkhorn_transformer import Autopadder, AutoregressiveWrapper, SinkhornTransformerLM
+        from sinkhorn_transformer import Autopadder, SinkhornTransformerLM
 
         net = SinkhornTransformerLM(num_tokens=vocab, dim=size["hidden"], depth=size["layers"], heads=size["heads"],
                                     bucket_size=size["bucket"], max_seq_len=window, causal=True)  # fmt: skip
-        model = AutoregressiveWrapper(Autopadder(net))
+        # The package's AutoregressiveWrapper would feed window - 1 tokens, not a bucket multiple; its Autopadder pads
+        # them on the right (harmless for a causal model), and the shifted loss is the wrapper's own.
+        model = Autopadder(net)
         batcher = RandomWindowBatcher(streams.ids["train"], window, batch, seed=args.seed)
 
+        def shifted_loss(x):
+            logits = model(x[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:])
+
         def train_loss(x):
-            loss = model(x, return_loss=True)
+            loss = shifted_loss(x)
             loss.backward()
-            return float(loss)
+            return float(loss.detach())
 
         @torch.no_grad()
         def eval_loss(x):
-            return float(model(x, return_loss=True))
+            return float(shifted_loss(x))
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
