@@ -50,9 +50,9 @@ def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch
     """Masked per-bucket sums in float32. x: [b, h, L, d], mask: [b, L] -> sums [b, h, n, d], counts [b, n]."""
     b, h, length, d = x.shape
     n = length // bucket
-    m = mask.view(b, 1, n, bucket, 1).to(torch.float32)
-    sums = (x.float().view(b, h, n, bucket, d) * m).sum(3)
-    return sums, m.sum(3)[:, 0, :, 0]
+    m = mask.view(b, n, bucket).to(torch.float32)
+    sums = torch.einsum("bhnsd,bns->bhnd", x.float().view(b, h, n, bucket, d), m)  # a batched matmul, no temporary
+    return sums, m.sum(2)
 
 
 def select_buckets(
@@ -69,7 +69,8 @@ def select_buckets(
     sinkhorn_iter: None = independent top-k per row (non-permutative); an int = Gumbel-Sinkhorn balancing of the
     score matrix first (noise only when `gumbel`, i.e. in training).
     Returns indices [b, h, q, n_select], picked_valid (bool, same shape) and the straight-through scale (same
-    shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass.
+    shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass (None when
+    gradients are off).
     """
     valid = valid.expand(scores.shape)
     logits = scores.masked_fill(~valid, _NEG)
@@ -86,6 +87,8 @@ def select_buckets(
             log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, _NEG)
         idx = log_weights.topk(n_select, dim=-1).indices
     picked_valid = valid.gather(-1, idx)
+    if not torch.is_grad_enabled():
+        return idx, picked_valid, None  # the scale is exactly 1: only its gradient matters
     picked = log_weights.gather(-1, idx).masked_fill(~picked_valid, 0.0)
     scale = torch.exp(picked - picked.detach())
     return idx, picked_valid, scale
@@ -107,6 +110,25 @@ def _prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
     if shift > 0:
         return torch.cat([pad, t.narrow(dim, 0, n - shift)], dim=dim)
     return torch.cat([t.narrow(dim, -shift, n + shift), pad], dim=dim)
+
+
+def attend_buckets(q, k, v, mask, dropout: float, implementation: str) -> torch.Tensor:
+    """Attention inside buckets. q: [b, h, n, Lq, d]; k, v: [b, h, n, K, d]; mask: bool broadcastable to
+    [b, h, n, Lq or 1, K]. Heads and buckets are merged into one dimension because the fused sdpa kernels take
+    4-D inputs (5-D inputs fall back to a path about 3x slower on CPU)."""
+    b, h, n, lq, d = q.shape
+    keys = k.shape[3]
+    rows = mask.shape[3]
+    flat_mask = mask.expand(b, h, n, rows, keys).reshape(b, h * n, rows, keys)
+    out = attend(
+        q.reshape(b, h * n, lq, d),
+        k.reshape(b, h * n, keys, d),
+        v.reshape(b, h * n, keys, d),
+        flat_mask,
+        dropout=dropout,
+        implementation=implementation,
+    )
+    return out.view(b, h, n, lq, d)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -137,7 +159,7 @@ class LocalHeads(nn.Module):
             own = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
             pattern = torch.cat([torch.ones(size, size, dtype=torch.bool, device=q.device), own], dim=1)
             attn_mask = attn_mask & pattern  # [b, 1, n, B, 2B]
-        out = attend(bq, keys, values, attn_mask, dropout=self._p(), implementation=self.implementation)
+        out = attend_buckets(bq, keys, values, attn_mask, self._p(), self.implementation)
         return out.reshape(b, h, length, d)
 
     def _p(self) -> float:
@@ -224,7 +246,9 @@ class SinkhornHeads(nn.Module):
             )  # [b, h, 1 or nq, n_sel]
             bi, hi = _batch_head_index(b, h, 4, q.device)
             routed_k = bk[bi, hi, idx]  # [b, h, 1 or nq, n_sel, Bk, d]
-            routed_v = bv[bi, hi, idx] * scale[..., None, None].to(v.dtype)
+            routed_v = bv[bi, hi, idx]
+            if scale is not None:
+                routed_v = routed_v * scale[..., None, None].to(v.dtype)
             routed_m = bkm[bi, idx] & picked_valid[..., None]  # [b, h, 1 or nq, n_sel, Bk]
             if self.n_sortcut > 0 and self.include_own:
                 # a query bucket already attends its own bucket: drop it from the shared choice
@@ -241,7 +265,7 @@ class SinkhornHeads(nn.Module):
         values = torch.cat(value_parts, dim=3)
         attn_mask = torch.cat(mask_parts, dim=3)[:, :, :, None, :]  # [b, h, nq, 1, K]
         p = self.dropout if self.training else 0.0
-        out = attend(bq, keys, values, attn_mask, dropout=p, implementation=self.implementation)
+        out = attend_buckets(bq, keys, values, attn_mask, p, self.implementation)
         return out.reshape(b, h, lq, d)
 
 
@@ -336,7 +360,10 @@ class CausalSinkhornHeads(nn.Module):
         idx, picked_valid, scale = select_buckets(scores, valid, n_sel, self.temperature)  # [b, h, n, n_sel]
         bi, hi = _batch_head_index(b, h, 4, q.device)
         routed_k = bank_k[bi, hi, idx].reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
-        routed_v = (bank_v[bi, hi, idx] * scale[..., None, None].to(v.dtype)).reshape(b, h, n, -1, d)
+        routed_v = bank_v[bi, hi, idx]
+        if scale is not None:
+            routed_v = routed_v * scale[..., None, None].to(v.dtype)
+        routed_v = routed_v.reshape(b, h, n, -1, d)
         routed_m = (bank_m[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
         if self.cross:
             keys, values, attn_mask = routed_k, routed_v, routed_m[:, :, :, None, :]
@@ -349,7 +376,7 @@ class CausalSinkhornHeads(nn.Module):
                 [routed_m[:, :, :, None, :].expand(b, h, n, size, -1), own_m.expand(b, h, n, size, size)], dim=-1
             )
         p = self.dropout if self.training else 0.0
-        out = attend(bq, keys, values, attn_mask, dropout=p, implementation=self.implementation)
+        out = attend_buckets(bq, keys, values, attn_mask, p, self.implementation)
         out = out.reshape(b, h, lq, d)[:, :, off : off + length]
 
         if record is not None:
@@ -394,50 +421,77 @@ class CausalSinkhornHeads(nn.Module):
         return u
 
     def step(self, q, keys, values, cache_mask, position, state):
-        """Causal self-attention of one new token (already written to keys/values/cache_mask). q: [b, h, 1, d]."""
+        """Causal self-attention of one new token (already written to keys/values/cache_mask). q: [b, h, 1, d].
+
+        The keys of the current query bucket (its chosen buckets, then its own tokens so far) live in a working
+        buffer built once per bucket; each step appends one token to it, so a step costs one attention over at
+        most (n_top + 1) * bucket_size keys and no gathering."""
         size, off = self.bucket_size, self.offset
-        b, h, _, d = q.shape
         real = cache_mask[:, position]
         u = (position + off) // size
-        k_new = keys[:, :, position].float() * real[:, None, None]
-        state["k_sum"][:, :, u] += k_new
+        state["k_sum"][:, :, u] += keys[:, :, position].float() * real[:, None, None]
         state["k_count"][:, u] += real.float()
         self.route_step(q, position, state, real)
+        start = max(u * size - off, 0)
+        routed = self.n_top * size
+        if state.get("buffer_bucket") != u:
+            self._build_buffer(keys, values, cache_mask, position, start, state)
+            state["buffer_bucket"] = u
+        else:
+            slot = routed + position - start
+            state["k_buffer"][:, :, slot] = keys[:, :, position]
+            state["v_buffer"][:, :, slot] = values[:, :, position]
+            state["m_buffer"][:, :, slot] = real[:, None]
+        end = routed + position - start + 1
+        m = state["m_buffer"][:, :, None, :end]  # [b, h, 1, K]
+        return attend(
+            q, state["k_buffer"][:, :, :end], state["v_buffer"][:, :, :end], m, implementation=self.implementation
+        )
+
+    def _build_buffer(self, keys, values, cache_mask, position, start, state):
+        """Gather the chosen buckets of the current query bucket and its own tokens [start, position]."""
+        size, off = self.bucket_size, self.offset
+        b, h, _, d = keys.shape
         choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
         is_null = choice < self.n_top
-        slot = torch.arange(size, device=q.device)
+        slot = torch.arange(size, device=keys.device)
         pos = (choice - self.n_top).clamp_min(0)[..., None] * size - off + slot  # [b, h, n_sel, B]
         pos_c = pos.clamp(0, position)
-        bi, hi = _batch_head_index(b, h, 4, q.device)
-        routed_k = keys[bi, hi, pos_c]  # [b, h, n_sel, B, d]
-        routed_v = values[bi, hi, pos_c]
+        bi, hi = _batch_head_index(b, h, 4, keys.device)
         null_i = choice.clamp_max(self.n_top - 1)
-        hi3 = hi[..., 0]
-        routed_k = torch.where(
-            is_null[..., None, None], self.null_keys[hi3, null_i][..., None, :].to(keys.dtype), routed_k
-        )
-        routed_v = torch.where(
-            is_null[..., None, None], self.null_values[hi3, null_i][..., None, :].to(values.dtype), routed_v
-        )
+        null_k = self.null_keys[hi[..., 0], null_i][..., None, :].to(keys.dtype)  # [b, h, n_sel, 1, d]
+        null_v = self.null_values[hi[..., 0], null_i][..., None, :].to(values.dtype)
+        routed_k = torch.where(is_null[..., None, None], null_k, keys[bi, hi, pos_c])  # [b, h, n_sel, B, d]
+        routed_v = torch.where(is_null[..., None, None], null_v, values[bi, hi, pos_c])
         routed_m = torch.where(is_null[..., None], slot == 0, (pos >= 0) & cache_mask[bi, pos_c])
         routed_m = routed_m & choice_valid[..., None]
-        start = max(u * size - off, 0)
-        k = torch.cat([routed_k.reshape(b, h, -1, d), keys[:, :, start : position + 1]], dim=2)
-        v = torch.cat([routed_v.reshape(b, h, -1, d), values[:, :, start : position + 1]], dim=2)
-        own_m = cache_mask[:, None, start : position + 1].expand(b, h, -1)
-        m = torch.cat([routed_m.reshape(b, h, -1), own_m], dim=-1)[:, :, None, :]  # [b, h, 1, K]
-        return attend(q, k, v, m, implementation=self.implementation)
+        routed = self.n_top * size
+        total = routed + size
+        k_buffer = keys.new_zeros(b, h, total, d)
+        v_buffer = values.new_zeros(b, h, total, d)
+        m_buffer = torch.zeros(b, h, total, dtype=torch.bool, device=keys.device)
+        k_buffer[:, :, :routed] = routed_k.reshape(b, h, routed, d)
+        v_buffer[:, :, :routed] = routed_v.reshape(b, h, routed, d)
+        m_buffer[:, :, :routed] = routed_m.reshape(b, h, routed)
+        own = position + 1 - start
+        k_buffer[:, :, routed : routed + own] = keys[:, :, start : position + 1]
+        v_buffer[:, :, routed : routed + own] = values[:, :, start : position + 1]
+        m_buffer[:, :, routed : routed + own] = cache_mask[:, None, start : position + 1]
+        state["k_buffer"], state["v_buffer"], state["m_buffer"] = k_buffer, v_buffer, m_buffer
 
     def cross_step(self, q, position, state, real, ctx):
         """Causal decoder cross-attention of one new token. ctx: the cached context (keys, values, mask, ...)."""
         b, h, _, d = q.shape
-        self.route_step(q, position, state, real, ctx["sk"], ctx["k_valid"])
-        choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
-        bi, hi = _batch_head_index(b, h, 3, q.device)
-        k = ctx["bk"][bi, hi, choice].reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
-        v = ctx["bv"][bi, hi, choice].reshape(b, h, -1, d)
-        m = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, -1)
-        return attend(q, k, v, m[:, :, None, :], implementation=self.implementation)
+        u = self.route_step(q, position, state, real, ctx["sk"], ctx["k_valid"])
+        if state.get("buffer_bucket") != u:  # the chosen context buckets change only at bucket boundaries
+            choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
+            bi, hi = _batch_head_index(b, h, 3, q.device)
+            state["k_buffer"] = ctx["bk"][bi, hi, choice].reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
+            state["v_buffer"] = ctx["bv"][bi, hi, choice].reshape(b, h, -1, d)
+            state["m_buffer"] = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, -1)
+            state["buffer_bucket"] = u
+        m = state["m_buffer"][:, :, None, :]
+        return attend(q, state["k_buffer"], state["v_buffer"], m, implementation=self.implementation)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -714,6 +768,10 @@ def _grow(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
 
 
+def _map_state(state: dict, fn) -> dict:
+    return {key: fn(val) if isinstance(val, torch.Tensor) else val for key, val in state.items()}
+
+
 class SinkhornLayerState:
     """Cache of one layer: keys/values of every past token (all heads, preallocated and grown by doubling), per
     causal Sinkhorn head group the running query sum, per-key-bucket sums and the chosen buckets of the current
@@ -794,11 +852,11 @@ class SinkhornLayerState:
     def _apply(self, fn):
         if self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
-        self.groups = [{key: fn(val) for key, val in state.items()} for state in self.groups]
+        self.groups = [_map_state(state, fn) for state in self.groups]
         if self.cross_state is not None:
-            self.cross_state = {key: fn(val) for key, val in self.cross_state.items()}
+            self.cross_state = _map_state(self.cross_state, fn)
         if self.context is not None:
-            self.context = {key: fn(val) for key, val in self.context.items()}
+            self.context = _map_state(self.context, fn)
 
 
 class SinkhornCache(Cache):
