@@ -629,6 +629,12 @@ class CompressiveModel(CompressivePreTrainedModel):
             all_hidden.extend(torch.cat(h, dim=1) for h in per_layer_outputs[:-1])
             all_hidden.append(hidden_states)
         reconstruction_loss = torch.stack(reconstruction_losses).mean() if reconstruction_losses else None
+        if reconstruction_loss is None and self.training and torch.is_grad_enabled():
+            if config.reconstruction_loss != "none":
+                # no memory was evicted in this call: an exact zero that still touches every f_c (and decoder)
+                # parameter, so data-parallel training sees the same parameters used on every step
+                params = [p for layer in self.layers for p in self._compression_parameters(layer)]
+                reconstruction_loss = torch.stack([p.sum() for p in params]).sum() * 0.0
         result = CompressiveModelOutput(
             last_hidden_state=hidden_states,
             cache=cache if use_cache else None,
@@ -636,6 +642,11 @@ class CompressiveModel(CompressivePreTrainedModel):
             reconstruction_loss=reconstruction_loss,
         )
         return result if return_dict else result.to_tuple()
+
+    @staticmethod
+    def _compression_parameters(layer) -> list[nn.Parameter]:
+        modules = [layer.compress] + ([layer.decompress] if layer.decompress is not None else [])
+        return [p for module in modules for p in module.parameters()]
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
         if (input_ids is None) == (inputs_embeds is None):
@@ -897,7 +908,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
             model_inputs["input_ids"] = input_ids[:, -next_sequence_length:]
         else:
             model_inputs["input_ids"] = input_ids[:, seen:] if seen else input_ids
-        for key in ("output_hidden_states", "return_dict"):
+        for key in ("output_hidden_states", "return_dict", "logits_to_keep"):
             if key in kwargs:
                 model_inputs[key] = kwargs[key]
         return model_inputs

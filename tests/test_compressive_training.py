@@ -138,3 +138,14 @@ def test_bf16_autocast_forward_and_backward_stay_finite(options):
     assert torch.isfinite(out.logits.float()).all()
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_every_parameter_takes_part_in_the_loss_even_before_the_first_eviction():
+    """Data-parallel training needs the same parameters used on every step: a window too short to evict anything
+    still returns a (zero) reconstruction loss connected to f_c."""
+    model = tiny_model().train()
+    ids = torch.randint(0, VOCAB, (2, 4))  # one segment: nothing is evicted
+    out = model(ids, labels=ids)
+    assert out.reconstruction_loss == 0
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
