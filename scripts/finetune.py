@@ -92,7 +92,13 @@ class LongrangeTrainer(Trainer):
     def create_model_card(self, **kwargs):
         if not self.is_world_process_zero():
             return
-        metrics = {k: v for entry in self.state.log_history for k, v in entry.items() if k.startswith("eval_")}
+        # the latest evaluation; speed figures describe this machine, not the model
+        metrics = {
+            k: v
+            for entry in self.state.log_history
+            for k, v in entry.items()
+            if k.startswith("eval_") and "runtime" not in k and "per_second" not in k
+        }
         write_model_card(
             self.args.output_dir,
             model=self.accelerator.unwrap_model(self.model),
