@@ -804,8 +804,8 @@ class SinkhornLayerState:
     def fill_self(self, k, v, records):
         n = self.owner.prefill_length
         cap = self.owner.capacity
-        self.keys = _grow(k[:, :, :n].contiguous(), 2, cap)
-        self.values = _grow(v[:, :, :n].contiguous(), 2, cap)
+        self.keys = _grow(k[:, :, :n].detach(), 2, cap)
+        self.values = _grow(v[:, :, :n].detach(), 2, cap)
         self.groups = []
         for record in records:
             state = {}
@@ -821,6 +821,7 @@ class SinkhornLayerState:
     def fill_cross(self, k, v, context_mask, record, kv_bucket):
         b, h, lc, d = k.shape
         nk = lc // kv_bucket
+        k, v = k.detach(), v.detach()
         k_sums, k_counts = bucket_sums(k, context_mask, kv_bucket)
         self.context = {
             "bk": k.reshape(b, h, nk, kv_bucket, d),
@@ -1093,7 +1094,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("SinkhornModel: pass exactly one of input_ids or inputs_embeds")
         cache = cache if cache is not None else past_key_values
-        use_cache = (use_cache if use_cache is not None else config.use_cache) and config.causal
+        # a cache is for generation: by default none in training mode, and only a causal model can use one
+        if use_cache is None:
+            use_cache = config.use_cache and not self.training
+        use_cache = use_cache and config.causal
         output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
         if output_hidden_states and config.reversible:
             raise ValueError("SinkhornModel: output_hidden_states is not available with reversible=True")
