@@ -810,7 +810,7 @@ class SinkhornLayerState:
         for record in records:
             state = {}
             if record:
-                last_bucket = (n - 1 + self.owner.offsets_of(record)) // self.owner.bucket_size
+                last_bucket = (n - 1 + record["offset"]) // self.owner.bucket_size
                 state["q_sum"], state["q_count"] = record["q_sum"].detach(), record["q_count"]
                 state["route"] = record["route"][:, :, last_bucket]
                 state["route_valid"] = record["route_valid"][:, :, last_bucket]
@@ -886,9 +886,6 @@ class SinkhornCache(Cache):
     @property
     def bucket_capacity(self) -> int:
         return self.capacity // self.bucket_size + 2
-
-    def offsets_of(self, record: dict) -> int:
-        return record.get("offset", 0)
 
     def _reserve(self, needed: int, b: int, device) -> None:
         if needed <= self.capacity:

@@ -236,3 +236,39 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         out = model(torch.randint(0, 40, (1, 30)), use_cache=True)
         model(torch.randint(0, 40, (1, 3)), cache=out.cache, use_cache=True)
+
+
+def test_memory_saver_options_shape_the_model_as_documented():
+    from longrange.modeling_sinkhorn import CausalSinkhornHeads, LocalHeads
+    from longrange.product_key_memory import ProductKeyMemory, pkm_parameter_groups
+
+    def count(model):
+        return sum(p.numel() for p in model.parameters())
+
+    plain = SinkhornModel(SinkhornConfig(**{**TINY, "num_hidden_layers": 3}))
+    tied = SinkhornModel(SinkhornConfig(**{**TINY, "num_hidden_layers": 3}, weight_tie=True))
+    assert len(tied.layers) == 1 and count(tied) < count(plain)
+    factorised = SinkhornModel(SinkhornConfig(**TINY, emb_dim=8))
+    assert factorised.embed_tokens.weight.shape == (40, 8) and factorised.project_in.in_features == 8
+    wide_heads = SinkhornModel(SinkhornConfig(**TINY, dim_head=10))
+    assert wide_heads.layers[0].attention.attention.to_q.out_features == 40
+    glu = SinkhornModel(SinkhornConfig(**TINY, ff_glu=True, intermediate_size=16))
+    assert glu.layers[0].feed_forward.net.up.out_features == 32
+    model = causal_lm(n_local_attn_heads=2, pkm_layers=[2], pkm_num_keys=8, pkm_topk=4)
+    groups = model.model.layers[0].attention.attention.groups
+    assert [type(g) for g in groups] == [LocalHeads, CausalSinkhornHeads, CausalSinkhornHeads]
+    assert [g.offset for g in groups[1:]] == [0, 1]  # one ordinary, one shifted ("rotated") head
+    assert isinstance(model.model.layers[1].feed_forward.net, ProductKeyMemory)
+    param_groups = pkm_parameter_groups(model, lr=1e-3, pkm_value_lr=1e-2)
+    assert param_groups[-1]["lr"] == 1e-2
+    assert param_groups[-1]["params"][0] is model.model.layers[1].feed_forward.net.values.weight
+
+
+def test_layer_dropout_only_in_training():
+    model = causal_lm(seed=11, layer_dropout=0.5, num_hidden_layers=4)
+    ids = torch.randint(0, 40, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, model(ids).logits)
+        model.train()
+        outs = [model(ids).logits for _ in range(6)]
+    assert any(not torch.equal(outs[0], o) for o in outs[1:])  # different layers skipped
