@@ -1,6 +1,6 @@
 """Side-by-side benchmark: longrange's Sinkhorn Transformer against sinkhorn-transformer 0.11.4.
 
-Three comparisons (issue 3, "Performance"):
+Comparisons (issue 3, "Performance"):
 
 1. Training step (causal LM): tokens/s and peak training memory of `longrange.SinkhornForCausalLM` and the
    reference `SinkhornTransformerLM`, built from the SAME option dict (seed option names, which our
@@ -16,6 +16,8 @@ Three comparisons (issue 3, "Performance"):
    positions cover both).
 3. Non-causal with SortCut (`n_sortcut=2`, batch 1): peak training-step memory at 16,384 tokens against 2,048
    tokens, ours and the reference (which is given for context).
+4. Memory savers (ours only, case `savers`): the training step of 1. with `reversible=True`, and with
+   `reversible=True, ff_chunks=8`: tokens/s and peak memory against the plain residual stack.
 
 Method.
 - Every measurement runs in a FRESH subprocess (this script re-invoked with `--worker`), so one case's memory
@@ -40,7 +42,7 @@ Method.
 Usage:
     python scripts/benchmark_sinkhorn.py --quick            # tiny sizes, about a minute: smoke test / CI
     python scripts/benchmark_sinkhorn.py --out bench.json   # full sizes of the issue (long: tens of minutes)
-    python scripts/benchmark_sinkhorn.py --cases train --reps 2
+    python scripts/benchmark_sinkhorn.py --cases train,generate --reps 3 --memory-reps 1
 """
 
 from __future__ import annotations
@@ -326,6 +328,17 @@ def jobs_for(cases: list[str], size: dict) -> list[tuple[str, dict]]:
                     dict(case="train", impl=impl, opts=opts, length=length, batch=s["batch"], steps=s["steps"]),
                 )
             )
+    if "savers" in cases:
+        # ours only, same training step with the memory savers on: what they buy and what they cost
+        s = size["train"]
+        length = s["length"]
+        for name, extra in (
+            ("reversible", dict(reversible=True)),
+            ("reversible+ff_chunks", dict(reversible=True, ff_chunks=8)),
+        ):
+            opts = dict(size["train"]["model"], **dict(COMMON, **extra), causal=True, max_seq_len=length)
+            spec = dict(case="train", impl="ours", opts=opts, length=length, batch=s["batch"], steps=1)
+            jobs.append((f"savers/{name}", spec))
     if "generate" in cases:
         s = size["generate"]
         bucket = s["model"]["bucket_size"]
@@ -410,6 +423,25 @@ def tables(results: dict[str, list[dict]], size: dict) -> tuple[str, dict]:
             f"{fmt(median_of(results['train/ref'], 'params'), 0)} | | |",
             "",
         ]
+    saver_keys = [k for k in results if k.startswith("savers/")]
+    if saver_keys and "train/ours" in results:
+        base_tps, base_mem = (
+            median_of(results["train/ours"], "tokens_per_s"),
+            median_of(results["train/ours"], "peak_mib"),
+        )
+        summary["savers"] = {}
+        lines += [
+            "### Memory savers (longrange, same training step)",
+            "",
+            "| | tokens/s | peak step memory, MiB | memory vs plain |",
+            "|---|---:|---:|---:|",
+            f"| plain residual stack | {fmt(base_tps)} | {fmt(base_mem)} | 1.00x |",
+        ]
+        for key in saver_keys:
+            tps, mem = median_of(results[key], "tokens_per_s"), median_of(results[key], "peak_mib")
+            summary["savers"][key.split("/", 1)[1]] = dict(tokens_per_s=tps, peak_mib=mem)
+            lines.append(f"| {key.split('/', 1)[1]} | {fmt(tps)} | {fmt(mem)} | {fmt_x(ratio(mem, base_mem))} |")
+        lines.append("")
     if "generate/ours" in results:
         s = size["generate"]
         ours = [r for r in results["generate/ours"] if "error" not in r]
@@ -490,8 +522,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default: 1 quick, 2 full)")
-    parser.add_argument("--cases", default="train,generate,sortcut", help="comma-separated: train,generate,sortcut")
+    parser.add_argument(
+        "--cases", default="train,savers,generate,sortcut", help="comma-separated: train,savers,generate,sortcut"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write all raw results and the summary as JSON")
+    parser.add_argument(
+        "--memory-reps", type=int, default=1, help="repetitions of the memory-oriented cases (savers, sortcut)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides (0: torch default)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed for one worker")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -507,7 +544,9 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     started = time.time()
     for rep in range(reps):
-        for label, spec in jobs_for(cases, size):
+        # the memory-oriented cases are not compared for speed: they need fewer repetitions
+        rep_cases = [c for c in cases if c not in ("savers", "sortcut") or rep < args.memory_reps]
+        for label, spec in jobs_for(rep_cases, size):
             spec["threads"] = args.threads
             t0 = time.time()
             result = run_job(spec, args.timeout)
