@@ -2,7 +2,7 @@
 """Quality side by side: validation bits per character on char-level Tiny Shakespeare (90/10 split by position).
 
     python scripts/benchmark_quality.py --quick       # tiny models, a few steps: checks that everything runs
-    python scripts/benchmark_quality.py               # 6 layers, 256 wide (about 10 minutes on 2 CPU cores)
+    python scripts/benchmark_quality.py               # 6 layers, 256 wide, 100 steps (about 10 minutes on 2 cores)
     python scripts/benchmark_quality.py --models compressive --steps 500 --json results.json
 
 For each family the same size, steps, batch, window, optimizer (AdamW), learning-rate schedule (warm-up + cosine)
@@ -77,6 +77,7 @@ def ours(family: str, size: dict, args, workdir: Path) -> dict:
             "--window", str(size["window"]), "--batch_size", str(size["batch"]), "--max_steps", str(size["steps"]),
             "--learning_rate", str(args.learning_rate), "--eval_every", "0", "--eval_tokens", str(size["eval_tokens"]),
             "--eval_batch_size", "8", "--num_samples", "0", "--save_every", "0", "--seed", str(args.seed),
+            "--num_threads", str(args.threads),
             "--output_dir", str(out), "--config", *config]  # fmt: skip
     started = time.perf_counter()
     result = load_train_script().main(argv)
@@ -187,7 +188,9 @@ def main(argv=None) -> dict:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for both sides (1: fair on a shared CPU)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if not args.data.is_file():
         raise SystemExit(f"no such file: {args.data} (Tiny Shakespeare is expected in ../shared/data)")
     size = dict(SIZES["quick" if args.quick else "full"])

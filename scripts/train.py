@@ -99,6 +99,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no")
     g.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is present")
+    g.add_argument(
+        "--num_threads",
+        type=int,
+        default=None,
+        help="torch CPU threads per process (default: torch's choice; 1 is much faster on a busy shared CPU)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("evaluation, checkpoints and outputs")
     g.add_argument("--eval_every", type=int, default=200)
@@ -225,6 +231,8 @@ def main(argv=None) -> dict:
     )
     main_process = accelerator.is_main_process
     log = accelerator.print
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     set_seed(args.seed)
 
     # ---- data and model ----------------------------------------------------------------------------------------
