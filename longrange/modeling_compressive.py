@@ -469,9 +469,17 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
             keys, values = kv.chunk(2, dim=-1)
             return attention.split_heads(keys), attention.split_heads(values)
 
+        implementation = attention.implementation
         with torch.no_grad():
-            target = attend(query, *keys_values(evicted.detach()), mask=evicted_valid[:, None, None, :])
-        prediction = attend(query, *keys_values(compressed), mask=compressed_valid[:, None, None, :])
+            target = attend(
+                query,
+                *keys_values(evicted.detach()),
+                mask=evicted_valid[:, None, None, :],
+                implementation=implementation,
+            )
+        prediction = attend(
+            query, *keys_values(compressed), mask=compressed_valid[:, None, None, :], implementation=implementation
+        )
         return _masked_mse(prediction.transpose(1, 2), target.transpose(1, 2), segment_valid)
 
     def autoencoding_loss(self, evicted: torch.Tensor, evicted_valid: torch.Tensor, compressed: torch.Tensor):
@@ -529,8 +537,9 @@ class CompressivePreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear, Conv1d, ConvTranspose1d, Embedding, LayerNorm
         if isinstance(module, CompressiveAttention):
-            init.zeros_(module.content_bias)
-            init.zeros_(module.position_bias)
+            # Transformer-XL initialises its u / v biases like the other weights
+            init.normal_(module.content_bias, mean=0.0, std=self.config.initializer_range)
+            init.normal_(module.position_bias, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, ProductKeyMemory):
             module.reset_parameters()  # its own keys/values scheme (the Linear/LayerNorm inside are done above)
 
