@@ -145,6 +145,8 @@ class LocalHeads(nn.Module):
         self.dropout, self.implementation = dropout, implementation
 
     def forward(self, q, k, v, mask, record=None):
+        """q, k, v: [b, h, L, d]; mask: [b, L] real tokens. Nothing to record for the cache: a step reads the
+        window straight from the cached keys/values."""
         b, h, length, d = q.shape
         size = self.bucket_size
         n = length // size
@@ -207,7 +209,10 @@ class SinkhornHeads(nn.Module):
         self.temperature, self.dropout, self.implementation = temperature, dropout, implementation
         self.sort_net = nn.Parameter(torch.empty(num_heads, 2 * head_dim, max_buckets)) if use_simple_sort_net else None
 
-    def forward(self, q, k, v, q_mask, k_mask, record=None):
+    def forward(self, q, k, v, q_mask, k_mask=None, record=None):
+        """q: [b, h, Lq, d]; k, v: [b, h, Lk, d]; q_mask / k_mask: [b, L] real tokens (k_mask defaults to q_mask,
+        self-attention). `record` is unused: non-causal models have no generation cache."""
+        k_mask = q_mask if k_mask is None else k_mask
         b, h, lq, d = q.shape
         nq, nk = lq // self.bucket_size, k.shape[2] // self.kv_bucket_size
         bq = q.reshape(b, h, nq, self.bucket_size, d)
@@ -582,10 +587,7 @@ class SinkhornSelfAttention(nn.Module):
                 records = [{} for _ in self.groups]
             outs = []
             for group, (s, e), record in zip(self.groups, self.slices, records):
-                if isinstance(group, SinkhornHeads):
-                    outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, attention_mask))
-                else:
-                    outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=record))
+                outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=record))
             out = torch.cat(outs, dim=1)
             if layer_cache is not None:
                 layer_cache.fill_self(k, v, records)
