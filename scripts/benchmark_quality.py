@@ -42,7 +42,7 @@ DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 SIZES = {
     # hidden, layers, heads, segment / bucket, window, batch, steps, eval tokens
     "full": dict(
-        hidden=256, layers=6, heads=4, segment=64, bucket=32, window=128, batch=8, steps=150, eval_tokens=16384
+        hidden=256, layers=6, heads=4, segment=64, bucket=32, window=128, batch=8, steps=100, eval_tokens=16384
     ),
     "quick": dict(hidden=32, layers=2, heads=2, segment=16, bucket=8, window=32, batch=4, steps=6, eval_tokens=1024),
 }
