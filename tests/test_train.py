@@ -223,3 +223,13 @@ def test_two_processes_equal_one_process_with_accumulation(tmp_path, model):
     a, b = weights(tmp_path / "two"), weights(tmp_path / "one")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
+
+
+def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_the_floor():
+    from longrange.training import warmup_cosine
+
+    factor = warmup_cosine(warmup_steps=4, total_steps=20, min_ratio=0.1)
+    # hand-computed: (step + 1) / 4 during warm-up; then 0.1 + 0.9 * (1 + cos(pi * (step - 4) / 16)) / 2
+    expected = {0: 0.25, 1: 0.5, 3: 1.0, 4: 1.0, 12: 0.55, 20: 0.1, 30: 0.1}
+    for step, value in expected.items():
+        assert factor(step) == pytest.approx(value), step
