@@ -32,6 +32,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithCrossAttentions, MaskedLMOutput
+from transformers.utils.generic import can_return_tuple
 
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend
@@ -1074,6 +1075,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
             blocks.extend(layer.blocks(ff))
         return blocks
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1086,10 +1088,11 @@ class SinkhornModel(SinkhornPreTrainedModel):
         past_key_values: Cache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         config = self.config
+        if kwargs.get("output_attentions"):
+            raise ValueError("SinkhornModel: output_attentions is not supported (attention runs in a fused kernel)")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("SinkhornModel: pass exactly one of input_ids or inputs_embeds")
         cache = cache if cache is not None else past_key_values
@@ -1152,6 +1155,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
                     encoder_attention_mask=encoder_attention_mask,
                     cache=cache,
                     use_cache=True,
+                    return_dict=True,
                 )
                 outputs.append(out.last_hidden_state)
             return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
@@ -1281,6 +1285,7 @@ class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
             labels = labels.gather(1, src).masked_fill(~inside, -100)
         return input_ids, mask, labels
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1294,7 +1299,6 @@ class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         logits_to_keep: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions:
@@ -1315,6 +1319,7 @@ class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            return_dict=True,
         )
         hidden = outputs.last_hidden_state
         if logits_to_keep:
@@ -1349,6 +1354,7 @@ class SinkhornForMaskedLM(SinkhornPreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1359,7 +1365,6 @@ class SinkhornForMaskedLM(SinkhornPreTrainedModel):
         encoder_attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> MaskedLMOutput:
         outputs = self.model(
@@ -1371,6 +1376,7 @@ class SinkhornForMaskedLM(SinkhornPreTrainedModel):
             encoder_attention_mask=encoder_attention_mask,
             use_cache=False,
             output_hidden_states=output_hidden_states,
+            return_dict=True,
         )
         hidden = outputs.last_hidden_state
         if self.project_out is not None:
