@@ -272,3 +272,19 @@ def test_layer_dropout_only_in_training():
         model.train()
         outs = [model(ids).logits for _ in range(6)]
     assert any(not torch.equal(outs[0], o) for o in outs[1:])  # different layers skipped
+
+
+@pytest.mark.parametrize("non_permutative", [True, False])
+def test_sort_net_receives_gradient_through_the_straight_through_routing_weight(non_permutative):
+    torch.manual_seed(12)
+    config = SinkhornConfig(
+        **{**TINY, "num_hidden_layers": 1},
+        use_simple_sort_net=True,
+        non_permutative=non_permutative,
+        max_position_embeddings=64,
+    )
+    model = SinkhornForMaskedLM(config).train()
+    ids = torch.randint(0, 40, (2, 40))
+    model(ids, labels=ids).loss.backward()
+    sort_net = model.model.layers[0].attention.attention.groups[0].sort_net
+    assert sort_net.grad is not None and sort_net.grad.abs().sum() > 0
