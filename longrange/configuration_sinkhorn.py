@@ -60,16 +60,20 @@ class SinkhornConfig(PreTrainedConfig):
     Sinkhorn attention
         bucket_size: tokens per bucket. Inputs of any length are padded to a multiple internally (padding masked,
             output trimmed).
-        causal: autoregressive attention (required by `SinkhornForCausalLM`; `is_decoder` is an alias).
+        causal: autoregressive attention (required by `SinkhornForCausalLM`; `is_decoder` is an alias). A query
+            bucket then chooses among strictly earlier key buckets and `n_top_buckets` learned null buckets, from
+            its leading token; half of the Sinkhorn heads use buckets shifted by `bucket_size - 1` (the seed's
+            rotated heads) so that the last token of every bucket also leads a choice.
         n_top_buckets: key buckets each query bucket attends besides its own, chosen by the sort net.
         n_sortcut: SortCut (non-causal only). One summary of all queries chooses `n_sortcut` key buckets that every
             query bucket attends (plus its own): memory linear in length. 0 = off.
         use_simple_sort_net: the paper's sort net (learned projection of bucket sums, then Sinkhorn balancing)
             instead of the default attention sort net (dot products of bucket summaries). Non-causal only.
         sinkhorn_iter: Sinkhorn normalisation iterations, used when `non_permutative=False`.
-        sort_temperature (the seed's `temperature`, accepted as a constructor keyword only: as an attribute it
-            would be taken for the sampling temperature by `generate()`): temperature of the routing scores (Gumbel-Sinkhorn temperature when `non_permutative=False`;
-            otherwise the temperature of the softmax whose straight-through gradient trains the sort net).
+        sort_temperature: temperature of the routing scores: the Gumbel-Sinkhorn temperature when
+            `non_permutative=False`, otherwise the temperature of the routing softmax whose straight-through
+            gradient trains the sort net. The seed's name `temperature` is accepted as a constructor keyword only
+            (as a config attribute, `generate()` would take it for the sampling temperature).
         non_permutative: True = each query bucket takes its top-scoring key buckets independently (a key bucket
             may serve many query buckets); False = scores are balanced by Gumbel-Sinkhorn into a soft permutation
             first (Gumbel noise only in training). False needs `causal=False`.
@@ -78,8 +82,9 @@ class SinkhornConfig(PreTrainedConfig):
         receives_context (alias `add_cross_attention`): layers also attend `encoder_hidden_states` (seed:
             `context`), bucketed with `context_bucket_size`.
         context_bucket_size: bucket size of the context; default `bucket_size`.
-        context_n_sortcut: context buckets each query bucket attends. 0 = `n_top_buckets`. A causal decoder routes
-            per query bucket from the bucket's leading token (no future leak); a non-causal one uses SortCut.
+        context_n_sortcut: context buckets attended. Causal decoder: each query bucket chooses this many (0 =
+            `n_top_buckets`) from its leading token (no future leak, cacheable). Non-causal: > 0 = SortCut (one
+            choice for all query buckets), 0 = each query bucket chooses `n_top_buckets`.
 
     Memory savers
         reversible: reversible residual layers (Reformer); activations recomputed in backward.
@@ -99,7 +104,8 @@ class SinkhornConfig(PreTrainedConfig):
             left-aligns it to the end of the window (the seed's trick so the sort net learns partially filled
             buckets). No effect in eval mode.
 
-    Misc: layer_norm_eps, initializer_range, use_cache, tie_word_embeddings, pad/bos/eos_token_id.
+    Misc: layer_norm_eps, initializer_range, tie_word_embeddings (output embedding tied to the input one),
+    pad/bos/eos_token_id, use_cache (generation cache; causal models only, and by default not in training mode).
     """
 
     model_type = "sinkhorn"
