@@ -728,8 +728,8 @@ class FeedForwardBlock(nn.Module):
 
 
 class SinkhornLayer(GradientCheckpointingLayer):
-    """attention -> (cross-attention -> its feed-forward) -> feed-forward, each a pre-norm residual branch.
-    With `receives_context` the reversible stack sees two blocks per layer: (attention, feed_forward) and
+    """attention -> feed-forward (-> cross-attention -> cross feed-forward), each a pre-norm residual branch.
+    The reversible stack sees the same (f, g) pairs: (attention, feed_forward) and, with `receives_context`,
     (cross_attention, cross_feed_forward), as in the reference."""
 
     def __init__(self, config: SinkhornConfig, use_pkm: bool):
