@@ -52,17 +52,20 @@ class LongrangeTrainer(Trainer):
         self.card = dict(card or {})
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        lm_loss = getattr(outputs, "lm_loss", None)
-        # With `num_items_in_batch` the model divides the LM loss by the tokens of the whole accumulated batch, so
-        # Trainer does not divide the loss by the accumulation steps; the reconstruction part is a plain per-call mean
-        # and would count `accumulation steps` times over. Scale that part down (the ratio keeps Trainer's own
-        # multi-process factor).
-        normalised = num_items_in_batch is not None and self.model_accepts_loss_kwargs
-        steps = getattr(self, "current_gradient_accumulation_steps", 1)
-        if model.training and normalised and lm_loss is not None and steps > 1:
-            factor = (loss / outputs.loss).detach()
-            loss = loss - factor * (outputs.loss - lm_loss) * (1 - 1 / steps)
+        # Trainer's rule, written out: with `num_items_in_batch` the model divides the LM loss by the tokens of the
+        # whole accumulated batch over all processes, so Trainer neither divides the loss by the accumulation steps
+        # nor lets the gradient average over processes shrink it (it multiplies the loss by the number of
+        # processes). That is right for the LM part only. The rest (the reconstruction loss) is a plain per-call mean
+        # and would count `accumulation steps x processes` times over, so here it is made a mean over calls instead.
+        normalised = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        outputs = model(**inputs, **({"num_items_in_batch": num_items_in_batch} if normalised else {}))
+        loss, lm_loss = outputs.loss, getattr(outputs, "lm_loss", None)
+        processes = self.accelerator.num_processes if normalised and self.args.average_tokens_across_devices else 1
+        if normalised and lm_loss is not None:
+            steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
+            loss = processes * lm_loss + (loss - lm_loss) / steps
+        else:
+            loss = loss * processes
         phase = "train" if model.training else "eval"
         if lm_loss is not None:
             if normalised:  # back to the mean over this call's predicted tokens, for the log

@@ -145,35 +145,43 @@ def test_trainer_finetunes_and_checkpoint_reloads(saved, small_text, tmp_path):
         assert "eval_lm_loss" in metrics
 
 
-@pytest.mark.slow  # two short Trainer runs: ~25 s on a loaded 2-core machine
-def test_finetune_accumulation_equals_one_big_batch(small_text, tmp_path):
-    """2 accumulation steps of 2 rows = 1 step of 4 rows, reconstruction loss included (Trainer would otherwise count
-    the per-call reconstruction mean twice), and the logged parts are per-token means either way."""
-    finetune = load_script("finetune")
+@pytest.mark.slow  # three short Trainer runs, one of them two processes: ~1 min on a loaded 2-core machine
+def test_finetune_accumulation_and_processes_equal_one_big_batch(tmp_path):
+    """1 step of 4 rows = 2 accumulation steps of 2 rows = 2 processes of 2 rows, reconstruction loss included
+    (Trainer alone would count the per-call reconstruction mean twice in both), with the same logged losses."""
+    finetune = ROOT / "scripts" / "finetune.py"
+    data = tmp_path / "four_windows.txt"
+    data.write_bytes(SHAKESPEARE.read_bytes()[:160])  # 90% = 144 bytes = exactly 4 windows of 32: one full batch
     tok = byte_tokenizer()
     tiny_model("compressive", len(tok), {}).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
+    common = [str(tmp_path / "base"), "--data", str(data), "--window", "32", "--max_steps", "2", "--logging_steps", "1"]
+    common += ["--learning_rate", "1e-2", "--save_steps", "100", "--max_eval_tokens", "0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    # `--multi_gpu` picks accelerate's torchrun launcher; ACCELERATE_USE_CPU makes the two processes CPU/gloo ones
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    commands = {
+        "big": [sys.executable, str(finetune), *common, "--per_device_train_batch_size", "4"],
+        "accumulated": [sys.executable, str(finetune), *common, "--per_device_train_batch_size", "2"]
+        + ["--gradient_accumulation_steps", "2"],
+        "two_processes": [*launch, str(finetune), *common, "--per_device_train_batch_size", "2"],
+    }
     runs = {}
-    for name, batch, accumulation in (("big", "4", "1"), ("accumulated", "2", "2")):
+    for name, command in commands.items():
         out = tmp_path / name
-        argv = [str(tmp_path / "base"), "--data", str(small_text), "--output_dir", str(out), "--window", "32"]
-        argv += [
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            batch,
-            "--gradient_accumulation_steps",
-            accumulation,
-        ]
-        argv += ["--learning_rate", "1e-2", "--logging_steps", "1", "--save_steps", "100", "--max_eval_tokens", "0"]
-        finetune.main(argv)
+        run = subprocess.run([*command, "--output_dir", str(out)], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
         history = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
         runs[name] = (load_file(out / "model.safetensors"), [e for e in history if "loss" in e])
-    for key, tensor in runs["big"][0].items():
-        torch.testing.assert_close(runs["accumulated"][0][key], tensor, rtol=1e-3, atol=1e-5)
-    for big, accumulated in zip(runs["big"][1], runs["accumulated"][1]):
-        for name in ("loss", "lm_loss", "reconstruction_loss"):
-            assert accumulated[name] == pytest.approx(big[name], rel=1e-3), name
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    assert any(not torch.equal(base[k], runs["big"][0][k]) for k in base)
+    for other in ("accumulated", "two_processes"):
+        for key, tensor in runs["big"][0].items():
+            torch.testing.assert_close(runs[other][0][key], tensor, rtol=1e-3, atol=1e-5)
+        for big, logged in zip(runs["big"][1], runs[other][1], strict=True):
+            for name in ("loss", "lm_loss", "reconstruction_loss"):
+                assert logged[name] == pytest.approx(big[name], rel=1e-3), (other, name)
 
 
 def test_finetune_perplexity_matches_direct_computation(saved, small_text, tmp_path):
