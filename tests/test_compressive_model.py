@@ -311,3 +311,51 @@ def test_compression_functions_against_direct_computation():
     torch.testing.assert_close(out[0], direct)
     # sources of slot 0: position 1 (invalid) and padding -> invalid; slot 1: positions 1, 3 -> valid
     assert out_valid.tolist() == [[False, True, True]]
+
+
+def test_most_used_keeps_the_memories_that_received_most_attention():
+    """One layer, segment 4, mem_len 4, rate 2: after segment 2 the memories of tokens 0-3 are evicted and the
+    2 that received the most attention (from segment 1's and segment 2's queries, all heads) are kept, in order.
+    The attention probabilities are recomputed here with a direct loop over (head, query, key)."""
+    model = tiny_model(
+        num_hidden_layers=1, mem_len=4, c_mem_len=2, compression_function="most_used", reconstruction_loss="none"
+    )
+    layer = model.model.layers[0]
+    attention = layer.attention
+    heads, d_head, hidden = attention.num_heads, attention.head_dim, model.config.hidden_size
+    # keys = scaled queries: a token attends sharply to copies of itself. Token 5 sits at positions 1 and 3 of the
+    # evicted block and fills segment 2, so the most used memories are 1 and 3: neither the oldest nor the newest.
+    with torch.no_grad():
+        attention.q_proj.weight.mul_(20)
+        attention.kv_proj.weight[:hidden] = attention.q_proj.weight
+    ids = torch.tensor([[7, 5, 9, 5, 5, 5, 5, 5]])
+    with torch.no_grad():
+        inputs = model.model.embed_tokens(ids)[0]  # layer-0 inputs [8, hidden]
+        normed = layer.attn_input_norm(inputs)
+        q = attention.q_proj(normed).view(8, heads, d_head)
+        k, v = attention.kv_proj(normed).chunk(2, dim=-1)
+        k = k.view(8, heads, d_head)
+        received = torch.zeros(8)
+        # segment 1: queries 0-3 over keys 0-3; segment 2: queries 4-7 over keys 0-7 (memory 0-3 + segment)
+        for queries, keys in ((range(0, 4), list(range(0, 4))), (range(4, 8), list(range(0, 8)))):
+            k_len = len(keys)
+            for h in range(heads):
+                for n, i in enumerate(queries):
+                    scores, visible = [], []
+                    for j_pos, j in enumerate(keys):
+                        distance = (k_len - len(queries) + n) - j_pos
+                        if distance < 0:
+                            continue
+                        r = attention.r_proj.weight @ sinusoidal_embedding(torch.tensor([distance]), hidden)[0]
+                        r = r.view(heads, d_head)[h]
+                        score = (q[i, h] + attention.content_bias[h]) @ k[j, h]
+                        score = score + (q[i, h] + attention.position_bias[h]) @ r
+                        scores.append(score / math.sqrt(d_head))
+                        visible.append(j)
+                    for p, j in zip(torch.softmax(torch.stack(scores), 0), visible):
+                        received[j] += p
+        kept = sorted(received[:4].topk(2).indices.tolist())
+        assert kept == [1, 3]  # the hand computation agrees with the construction above
+        cache = model(ids, use_cache=True).cache
+    torch.testing.assert_close(cache.layers[0].c_mem[0], inputs[kept])
+    torch.testing.assert_close(cache.layers[0].mem[0], inputs[4:8])
