@@ -902,7 +902,8 @@ class SinkhornCache(Cache):
 
     def begin_prefill(self, mask: torch.Tensor) -> None:
         b, n = mask.shape
-        self._reserve(n, b, mask.device)
+        # headroom, so that the first generated tokens do not immediately copy every layer's keys and values
+        self._reserve(n + max(4 * self.bucket_size, n // 4), b, mask.device)
         self.mask[:, :n] = mask
         self.real_counts = mask.sum(1)
         self.prefill_length = n

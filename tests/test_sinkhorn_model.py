@@ -59,15 +59,17 @@ def test_cached_steps_equal_full_recompute_across_bucket_boundaries(n_top):
     torch.testing.assert_close(stepped[real], full[real], rtol=1e-5, atol=1e-5)
 
 
-def test_cached_multi_token_chunk_and_reversible_cache():
+def test_cached_multi_token_chunk_reversible_cache_and_buffer_growth():
     model = causal_lm(seed=2, reversible=True, weight_tie=True, **{**ALL_ON, "pkm_layers": [1]})
-    ids = torch.randint(0, 40, (1, 30))
+    ids = torch.randint(0, 40, (1, 60))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         first = model(ids[:, :11], use_cache=True)
+        capacity = first.cache.capacity
         rest = model(ids[:, 11:], cache=first.cache, use_cache=True)  # several tokens on a filled cache
     torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full, rtol=1e-5, atol=1e-5)
-    assert rest.cache.get_seq_length() == 30
+    assert rest.cache.get_seq_length() == 60
+    assert rest.cache.capacity > capacity  # the key/value buffers grew on the way
 
 
 def test_greedy_generate_same_tokens_with_and_without_cache_and_beam_search_runs():
