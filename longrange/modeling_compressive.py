@@ -360,7 +360,7 @@ class CompressiveAttention(nn.Module):
         )
         out, weights = result if need_weights else (result, None)
         out = out.transpose(1, 2).reshape(batch, q_len, hidden)
-        return self.o_proj(out), weights
+        return self.o_proj(out), weights, query
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -424,7 +424,9 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         [batch, heads, capacity, d_head] holding M = `memory_length` projected entries; the chunk's keys/values
         are written into them in place. Memories are passed under these names, never `cache`, so gradient
         checkpointing keeps them.
-        Returns (output [batch, q, hidden], chunk keys, chunk values, attention probabilities or None)."""
+        Returns (output [batch, q, hidden], the chunk's queries [batch, heads, q, d_head], keys and values
+        [batch, heads, M + q, d_head] of everything attended, attention probabilities or None); the reconstruction
+        loss reuses the queries and keys/values (detached) instead of projecting them again."""
         query_input = self.attn_input_norm(hidden_states)
         new_keys, new_values = self.attention.project_kv(query_input)  # [batch, heads, q, d_head] each
         if memory is not None:
@@ -438,11 +440,11 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
             memory_keys[:, :, memory_length:end] = new_keys
             memory_values[:, :, memory_length:end] = new_values
             keys, values = memory_keys[:, :, :end], memory_values[:, :, :end]
-        attn_out, weights = self.attention(query_input, keys, values, relative, attention_mask, need_weights)
+        attn_out, weights, query = self.attention(query_input, keys, values, relative, attention_mask, need_weights)
         hidden_states = self.attn_output_norm(hidden_states + self.dropout(attn_out))
         ff_out = self.feed_forward(self.ff_input_norm(hidden_states))
         hidden_states = self.ff_output_norm(hidden_states + self.dropout(ff_out))
-        return hidden_states, new_keys, new_values, weights
+        return hidden_states, query, keys, values, weights
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [batch, heads, len, d_head] of stored (un-normalised) memories."""
@@ -456,13 +458,20 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         evicted_valid: torch.Tensor,
         compressed: torch.Tensor,
         compressed_valid: torch.Tensor,
+        reused: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """MSE between attending (without positions) from the segment to the evicted memories and to their
         compression. Every weight is used detached (`F.linear` on `.detach()`ed tensors, never by switching
-        `requires_grad`), and all inputs but `compressed` are detached, so only f_c receives this gradient."""
+        `requires_grad`), and all inputs but `compressed` are detached, so only f_c receives this gradient.
+        `reused` = (segment queries, evicted keys, evicted values) [batch, heads, len, d_head] as the layer's
+        attention computed them (the same numbers); they are detached here, which cuts them off exactly like the
+        detached weights would."""
         attention = self.attention
-        query = F.linear(_detached_norm(self.attn_input_norm, segment.detach()), attention.q_proj.weight.detach())
-        query = attention.split_heads(query)  # [batch, heads, s, d_head]
+        if reused is not None:
+            query, evicted_keys, evicted_values = (t.detach() for t in reused)
+        else:
+            query = F.linear(_detached_norm(self.attn_input_norm, segment.detach()), attention.q_proj.weight.detach())
+            query = attention.split_heads(query)  # [batch, heads, s, d_head]
 
         def keys_values(memories):
             kv = F.linear(_detached_norm(self.attn_input_norm, memories), attention.kv_proj.weight.detach())
@@ -470,12 +479,12 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
             return attention.split_heads(keys), attention.split_heads(values)
 
         implementation = attention.implementation
+        if reused is None:
+            with torch.no_grad():
+                evicted_keys, evicted_values = keys_values(evicted.detach())
         with torch.no_grad():
             target = attend(
-                query,
-                *keys_values(evicted.detach()),
-                mask=evicted_valid[:, None, None, :],
-                implementation=implementation,
+                query, evicted_keys, evicted_values, mask=evicted_valid[:, None, None, :], implementation=implementation
             )
         prediction = attend(
             query, *keys_values(compressed), mask=compressed_valid[:, None, None, :], implementation=implementation
@@ -688,14 +697,11 @@ class CompressiveModel(CompressivePreTrainedModel):
         it, every token seen so far plus the new ones; the cache already holds the validity of the older ones."""
         if attention_mask is None:
             return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+        allowed_lengths = (seq_len, seen + seq_len)
         if (
             attention_mask.dim() != 2
             or attention_mask.shape[0] != batch
-            or attention_mask.shape[1]
-            not in (
-                seq_len,
-                seen + seq_len,
-            )
+            or attention_mask.shape[1] not in allowed_lengths
         ):
             raise ValueError(
                 f"attention_mask must be [batch={batch}, {seq_len}] (new tokens) or [batch={batch}, "
@@ -729,7 +735,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             if reuse_projections:
                 if state.keys is None:
                     state.store_projected(*layer.project_memory(state.context()), self._capacity)
-                out, new_keys, new_values, weights = layer(
+                out, query, keys, values, weights = layer(
                     hidden_states,
                     relative,
                     memory_keys=state.keys,
@@ -739,16 +745,19 @@ class CompressiveModel(CompressivePreTrainedModel):
                     need_weights=self.track_usage,
                 )
             else:
-                out, new_keys, new_values, weights = layer(
+                out, query, keys, values, weights = layer(
                     hidden_states,
                     relative,
                     memory=state.context(),
                     attention_mask=mask,
                     need_weights=self.track_usage,
                 )
-            self._store_chunk(layer, state, hidden_states.detach(), valid, new_keys, new_values, weights)
+            starts_segment = state.pending.shape[1] == 0
+            self._store_chunk(state, hidden_states.detach(), valid, weights)
             if completes_segment:
-                loss = self._update_memory(layer, state)
+                # the chunk is the whole segment when it started one: its projections can serve the reconstruction
+                projections = (query, keys, values) if starts_segment else None
+                loss = self._update_memory(layer, state, projections)
                 if loss is not None:
                     reconstruction_losses.append(loss)
             layer_outputs.append(out)
@@ -756,7 +765,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         cache.seen_tokens += q_len
         return hidden_states, layer_outputs
 
-    def _store_chunk(self, layer, state, inputs, valid, new_keys, new_values, weights) -> None:
+    def _store_chunk(self, state, inputs, valid, weights) -> None:
         """Append the chunk's layer inputs to the pending segment (and its keys/values when reusing projections);
         accumulate attention received per slot for the most-used compression."""
         if weights is not None:
@@ -771,9 +780,11 @@ class CompressiveModel(CompressivePreTrainedModel):
         if state.keys is not None:
             state.projected_len += inputs.shape[1]  # the layer already wrote the chunk's keys/values in place
 
-    def _update_memory(self, layer, state) -> torch.Tensor | None:
+    def _update_memory(self, layer, state, projections=None) -> torch.Tensor | None:
         """The schedule after a complete segment: mem = cat(mem, segment); evict the oldest
-        ceil((len - mem_len) / c) * c into f_c; c_mem keeps its newest c_mem_len entries."""
+        ceil((len - mem_len) / c) * c into f_c; c_mem keeps its newest c_mem_len entries.
+        `projections` (segment queries, keys/values of [c_mem, mem, segment]) lets the reconstruction loss reuse
+        what the layer already computed."""
         config = self.config
         rate = config.compression_rate
         c_len, m_len, _ = state.lengths()
@@ -797,8 +808,13 @@ class CompressiveModel(CompressivePreTrainedModel):
                 )
             if train_compression:
                 if config.reconstruction_loss == "attention":
+                    reused = None
+                    if projections is not None:
+                        query, all_keys, all_values = projections  # evicted = first n_evict after c_mem
+                        evicted_kv = slice(c_len, c_len + n_evict)
+                        reused = (query, all_keys[:, :, evicted_kv], all_values[:, :, evicted_kv])
                     loss = layer.attention_reconstruction_loss(
-                        segment, segment_valid, evicted, evicted_valid, compressed, compressed_valid
+                        segment, segment_valid, evicted, evicted_valid, compressed, compressed_valid, reused
                     )
                 else:
                     loss = layer.autoencoding_loss(evicted, evicted_valid, compressed)

@@ -244,7 +244,7 @@ def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation):
     mask = key_valid[:, None, None, :] & causal
     relative = attention.project_relative(sinusoidal_embedding(torch.arange(k_len - 1, -1, -1), hidden))
     with torch.no_grad():
-        out, _ = attention(query_input, keys, values, relative, mask)
+        out, _, _ = attention(query_input, keys, values, relative, mask)
 
         # direct computation, one (batch, head, query, key) at a time
         q = attention.q_proj(query_input).view(batch, q_len, heads, d_head)

@@ -149,3 +149,15 @@ def test_every_parameter_takes_part_in_the_loss_even_before_the_first_eviction()
     assert out.reconstruction_loss == 0
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_reconstruction_loss_is_the_same_when_a_segment_spans_two_calls():
+    """Queries and evicted keys come from the layer's own projections when a call holds the whole segment, and are
+    projected again (with detached weights) when the segment started in an earlier call: same loss either way."""
+    model = tiny_model().train()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    whole = model(ids, labels=ids).reconstruction_loss
+    first = model(ids[:, :5], labels=ids[:, :5], use_cache=True)
+    assert first.reconstruction_loss == 0  # nothing evicted yet
+    split = model(ids[:, 5:], labels=ids[:, 5:], cache=first.cache, use_cache=True).reconstruction_loss
+    torch.testing.assert_close(split, whole)
