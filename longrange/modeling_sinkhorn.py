@@ -113,19 +113,30 @@ def _prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
     return torch.cat([t.narrow(dim, -shift, n + shift), pad], dim=dim)
 
 
-def attend_buckets(q, k, v, mask, dropout: float, implementation: str) -> torch.Tensor:
-    """Attention inside buckets. q: [b, h, n, Lq, d]; k, v: [b, h, n, K, d]; mask: bool broadcastable to
-    [b, h, n, Lq or 1, K]. Heads and buckets are merged into one dimension because the fused sdpa kernels take
-    4-D inputs (5-D inputs fall back to a path about 3x slower on CPU)."""
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask (True = may attend) -> additive float mask (0 or the dtype's most negative value)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def attend_buckets(q, k, v, mask, dropout: float, implementation: str, bias=None) -> torch.Tensor:
+    """Attention inside buckets. q: [b, h, n, Lq, d]; k, v: [b, h, n, K, d]; mask (bool) or bias (additive
+    float): broadcastable to [b, h, n, Lq or 1, K]. Heads and buckets are merged into one dimension because the
+    fused sdpa kernels take 4-D inputs (5-D inputs fall back to a path about 3x slower on CPU).
+
+    `bias` is for callers whose every real query row sees at least one key: it skips `attend`'s bool-to-float
+    conversion and its zeroing of fully masked rows (only padded query rows can be fully masked there, and
+    their outputs are never used)."""
     b, h, n, lq, d = q.shape
     keys = k.shape[3]
-    rows = mask.shape[3]
-    flat_mask = mask.expand(b, h, n, rows, keys).reshape(b, h * n, rows, keys)
+    given = mask if bias is None else bias
+    rows = given.shape[3]
+    flat = given.expand(b, h, n, rows, keys).reshape(b, h * n, rows, keys)
     out = attend(
         q.reshape(b, h * n, lq, d),
         k.reshape(b, h * n, keys, d),
         v.reshape(b, h * n, keys, d),
-        flat_mask,
+        flat if bias is None else None,
+        bias=flat if bias is not None else None,
         dropout=dropout,
         implementation=implementation,
     )
@@ -162,7 +173,9 @@ class LocalHeads(nn.Module):
             own = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
             pattern = torch.cat([torch.ones(size, size, dtype=torch.bool, device=q.device), own], dim=1)
             attn_mask = attn_mask & pattern  # [b, 1, n, B, 2B]
-        out = attend_buckets(bq, keys, values, attn_mask, self._p(), self.implementation)
+        # a real query always sees itself: an additive mask is enough
+        bias = additive(attn_mask, q.dtype)
+        out = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias=bias)
         return out.reshape(b, h, length, d)
 
     def _p(self) -> float:
@@ -271,7 +284,10 @@ class SinkhornHeads(nn.Module):
         values = torch.cat(value_parts, dim=3)
         attn_mask = torch.cat(mask_parts, dim=3)[:, :, :, None, :]  # [b, h, nq, 1, K]
         p = self.dropout if self.training else 0.0
-        out = attend_buckets(bq, keys, values, attn_mask, p, self.implementation)
+        if self.include_own:  # a real query always sees itself: an additive mask is enough
+            out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=additive(attn_mask, q.dtype))
+        else:  # cross-attention: a row may see no context at all and must then give zeros
+            out = attend_buckets(bq, keys, values, attn_mask, p, self.implementation)
         return out.reshape(b, h, lq, d)
 
 
@@ -371,18 +387,25 @@ class CausalSinkhornHeads(nn.Module):
             routed_v = routed_v * scale[..., None, None].to(v.dtype)
         routed_v = routed_v.reshape(b, h, n, -1, d)
         routed_m = (bank_m[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
+        p = self.dropout if self.training else 0.0
         if self.cross:
-            keys, values, attn_mask = routed_k, routed_v, routed_m[:, :, :, None, :]
+            # a row may see no context at all (fully padded context): bool mask, zeros for such rows
+            out = attend_buckets(bq, routed_k, routed_v, routed_m[:, :, :, None, :], p, self.implementation)
         else:
             keys = torch.cat([routed_k, bk], dim=3)  # [b, h, n, (n_sel + 1) B, d]
             values = torch.cat([routed_v, bv], dim=3)
             causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
             own_m = key_mask.view(b, 1, n, 1, size) & causal  # [b, 1, n, B, B]
-            attn_mask = torch.cat(
-                [routed_m[:, :, :, None, :].expand(b, h, n, size, -1), own_m.expand(b, h, n, size, size)], dim=-1
+            # every row sees at least one key (each pick is a valid null or non-empty bucket), so the mask is
+            # built additive from its two small pieces: one pass over the full [b, h, n, B, K] tensor
+            bias = torch.cat(
+                [
+                    additive(routed_m, q.dtype)[:, :, :, None, :].expand(b, h, n, size, -1),
+                    additive(own_m, q.dtype).expand(b, h, n, size, size),
+                ],
+                dim=-1,
             )
-        p = self.dropout if self.training else 0.0
-        out = attend_buckets(bq, keys, values, attn_mask, p, self.implementation)
+            out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=bias)
         out = out.reshape(b, h, lq, d)[:, :, off : off + length]
 
         if record is not None:
