@@ -155,6 +155,13 @@ class CompressiveConfig(PreTrainedConfig):
             raise ValueError(f"pkm_layers must not repeat a layer, got {self.pkm_layers!r}")
         if self.pkm_topk > self.pkm_num_keys:
             raise ValueError(f"pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys})")
+        for name in ("tie_word_embeddings", "use_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        eos = self.eos_token_id
+        eos_ids = eos if isinstance(eos, (list, tuple)) else [eos]
+        if eos is not None and any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in eos_ids):
+            raise ValueError(f"eos_token_id must be None, a token id >= 0 or a list of them, got {eos!r}")
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):

@@ -44,6 +44,9 @@ def test_seed_names_are_aliases():
         (dict(pkm_topk=200, pkm_num_keys=16), "pkm_topk"),
         (dict(vocab_size=0), "vocab_size"),
         (dict(num_hidden_layers=1.5), "num_hidden_layers"),
+        (dict(use_cache="yes"), "use_cache"),
+        (dict(eos_token_id=[1, -2]), "eos_token_id"),
+        (dict(pad_token_id=-1), "pad_token_id"),
     ],
 )
 def test_bad_configs_raise_naming_the_field(overrides, field):
