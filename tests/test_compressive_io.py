@@ -141,3 +141,25 @@ def test_saved_folder_loads_with_trust_remote_code_without_longrange(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_benchmark_script_quick_mode_runs(tmp_path):
+    """The side-by-side benchmark keeps working (no timing assertion: only that it runs and reports)."""
+    pytest.importorskip("compressive_transformer_pytorch")
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_compressive.py"
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", str(out)],
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures["train_tokens_per_s"]) == {"ours", "reference"}
+    assert figures["generate_tokens_per_s"]["ours"] > 0
+    assert "| training tokens/s (wall) |" in result.stdout
