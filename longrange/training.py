@@ -97,7 +97,9 @@ def plot_curves(history: dict[str, list], path, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     train = history.get("train", [])
     if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", alpha=0.8)
+        # the language-model part, comparable with the validation loss (the reconstruction loss is drawn apart)
+        lm = [r.get("lm_loss", r["loss"]) for r in train]
+        ax.plot([r["step"] for r in train], lm, label="train loss (language model)", alpha=0.8)
         if any(r.get("reconstruction_loss") is not None for r in train):
             ax.plot(
                 [r["step"] for r in train],
