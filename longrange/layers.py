@@ -87,6 +87,8 @@ class FeedForward(nn.Module):
 
 def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """Transformer sinusoidal encoding of (possibly negative or reversed) positions: [len] -> [len, dim]."""
-    inv_freq = torch.exp(torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    inv_freq = torch.exp(
+        torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim)
+    )
     angles = positions.float()[:, None] * inv_freq[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=-1)

@@ -61,7 +61,8 @@ class ProductKeyMemory(nn.Module):
         weights = F.softmax(best_scores.float(), dim=-1).to(hidden_states.dtype)
         # sum over heads and selected slots: one bag of heads * k rows per token
         out = self.values(
-            best_idx.reshape(batch * seq, -1), per_sample_weights=weights.reshape(batch * seq, -1).to(self.values.weight.dtype)
+            best_idx.reshape(batch * seq, -1),
+            per_sample_weights=weights.reshape(batch * seq, -1).to(self.values.weight.dtype),
         )
         return self.value_dropout(out.view(batch, seq, -1).to(hidden_states.dtype))
 
