@@ -104,8 +104,20 @@ class SinkhornConfig(PreTrainedConfig):
             left-aligns it to the end of the window (the seed's trick so the sort net learns partially filled
             buckets). No effect in eval mode.
 
-    Misc: layer_norm_eps, initializer_range, tie_word_embeddings (output embedding tied to the input one),
-    pad/bos/eos_token_id, use_cache (generation cache; causal models only, and by default not in training mode).
+    Initialisation and output layer (defaults follow the sinkhorn-transformer package: with the transformers
+    conventions instead, 0.02-normal weights and a tied output embedding, a 6 x 256 character model trained 100 steps
+    on Tiny Shakespeare (scripts/benchmark_quality.py) scored 3.83 validation bits/char against the package's 3.60;
+    with these defaults 3.61)
+        initializer_range: None (default) = PyTorch's own defaults, as in the package: `nn.Linear` weights and biases
+            U(-1/sqrt(fan_in), 1/sqrt(fan_in)), token and position embeddings N(0, 1) (so that tokens and positions
+            start well apart in the residual stream, which the pre-LayerNorm blocks see normalised). A float = the
+            transformers convention: every linear and embedding weight N(0, initializer_range), biases zero.
+        tie_word_embeddings: the output layer shares the input token embedding. Default False (the package has a
+            separate output layer). When tied and `initializer_range` is None, the shared matrix is initialised
+            N(0, 1/embedding size) as an output layer (unit-variance logits at init) rather than N(0, 1).
+
+    Misc: layer_norm_eps, pad/bos/eos_token_id, use_cache (generation cache; causal models only, and by default not
+    in training mode).
     """
 
     model_type = "sinkhorn"
@@ -154,9 +166,9 @@ class SinkhornConfig(PreTrainedConfig):
     attn_layer_dropout: float = 0.0
     randomly_truncate_sequence: bool = False
     layer_norm_eps: float = 1e-5
-    initializer_range: float = 0.02
+    initializer_range: float | None = None
     use_cache: bool = True
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = False
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -231,6 +243,15 @@ class SinkhornConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"SinkhornConfig: {name} must be in [0, 1), got {value!r}")
+        if self.initializer_range is not None and not (
+            isinstance(self.initializer_range, (int, float))
+            and not isinstance(self.initializer_range, bool)
+            and self.initializer_range > 0
+        ):
+            raise ValueError(
+                f"SinkhornConfig: initializer_range must be None (PyTorch's default init) or a float > 0, "
+                f"got {self.initializer_range!r}"
+            )
         if not self.sort_temperature > 0:
             raise ValueError(
                 f"SinkhornConfig: sort_temperature (temperature) must be > 0, got {self.sort_temperature!r}"

@@ -1024,13 +1024,34 @@ class SinkhornPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
+        config = self.config
+        std = config.initializer_range
+        # a tied output embedding is initialised as an output layer: unit-variance logits at init
+        tied_std = config.embedding_size**-0.5
         if isinstance(module, nn.Linear):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                init.zeros_(module.bias)
+            if config.tie_word_embeddings and module is getattr(self, "lm_head", None):
+                init.normal_(module.weight, mean=0.0, std=tied_std if std is None else std)
+            elif std is None:
+                # PyTorch's default for nn.Linear (the reference's init): U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the
+                # weight (kaiming-uniform with a = sqrt(5)) and the bias
+                bound = module.in_features**-0.5
+                init.uniform_(module.weight, -bound, bound)
+                if module.bias is not None:
+                    init.uniform_(module.bias, -bound, bound)
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
+            if std is not None:
+                init.normal_(module.weight, mean=0.0, std=std)
+            elif config.tie_word_embeddings:
+                # positions at the scale of the (output-layer sized) token embedding, or they would drown it out
+                init.normal_(module.weight, mean=0.0, std=tied_std)
+            else:
+                # PyTorch's default for nn.Embedding (the reference's token and positional embeddings): N(0, 1), so
+                # that tokens and positions start far apart in the residual stream
+                init.normal_(module.weight, mean=0.0, std=1.0)
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)

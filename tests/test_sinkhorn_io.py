@@ -66,7 +66,9 @@ def test_decoder_cached_cross_attention_equals_full_recompute():
 
 def test_save_and_load_roundtrip_with_auto_classes(tmp_path):
     torch.manual_seed(2)
-    config = SinkhornConfig(**TINY, causal=True, pkm_layers=[1], pkm_num_keys=8, pkm_topk=4, emb_dim=12)
+    config = SinkhornConfig(
+        **TINY, causal=True, pkm_layers=[1], pkm_num_keys=8, pkm_topk=4, emb_dim=12, tie_word_embeddings=True
+    )
     model = SinkhornForCausalLM(config).eval()
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
