@@ -63,6 +63,7 @@ def select_buckets(
     temperature: float,
     sinkhorn_iter: int | None = None,
     gumbel: bool = False,
+    weighted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose `n_select` candidates per row.
 
@@ -71,7 +72,7 @@ def select_buckets(
     score matrix first (noise only when `gumbel`, i.e. in training).
     Returns indices [b, h, q, n_select], picked_valid (bool, same shape) and the straight-through scale (same
     shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass (None when
-    gradients are off).
+    gradients are off). `weighted`: the scale is the routing weight itself (forward and backward; never None).
     """
     valid = valid.expand(scores.shape)
     logits = scores.masked_fill(~valid, _NEG)
@@ -88,6 +89,8 @@ def select_buckets(
             log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, _NEG)
         idx = log_weights.topk(n_select, dim=-1).indices
     picked_valid = valid.gather(-1, idx)
+    if weighted:
+        return idx, picked_valid, log_weights.gather(-1, idx).masked_fill(~picked_valid, 0.0).exp()
     if not torch.is_grad_enabled():
         return idx, picked_valid, None  # the scale is exactly 1: only its gradient matters
     picked = log_weights.gather(-1, idx).masked_fill(~picked_valid, 0.0)
@@ -214,8 +217,10 @@ class SinkhornHeads(nn.Module):
         temperature: float,
         dropout: float,
         implementation: str,
+        weight_routed_values: bool = False,
     ):
         super().__init__()
+        self.weight_routed_values = weight_routed_values
         self.num_heads, self.head_dim = num_heads, head_dim
         self.bucket_size, self.kv_bucket_size = bucket_size, kv_bucket_size
         self.n_top, self.n_sortcut, self.include_own = n_top, n_sortcut, include_own
@@ -261,7 +266,7 @@ class SinkhornHeads(nn.Module):
         keys_parts, value_parts, mask_parts = [], [], []
         if n_sel > 0:
             idx, picked_valid, scale = select_buckets(
-                scores, valid, n_sel, self.temperature, self.sinkhorn_iter, gumbel=self.training
+                scores, valid, n_sel, self.temperature, self.sinkhorn_iter, self.training, self.weight_routed_values
             )  # [b, h, 1 or nq, n_sel]
             bi, hi = _batch_head_index(b, h, 4, q.device)
             routed_k = bk[bi, hi, idx]  # [b, h, 1 or nq, n_sel, Bk, d]
@@ -314,8 +319,10 @@ class CausalSinkhornHeads(nn.Module):
         implementation: str,
         cross: bool = False,
         kv_bucket_size: int | None = None,
+        weight_routed_values: bool = False,
     ):
         super().__init__()
+        self.weight_routed_values = weight_routed_values
         self.num_heads, self.head_dim, self.bucket_size = num_heads, head_dim, bucket_size
         self.kv_bucket_size = kv_bucket_size or bucket_size
         self.n_top, self.offset, self.cross = n_top, offset, cross
@@ -379,7 +386,9 @@ class CausalSinkhornHeads(nn.Module):
             null_m[:, :, 0] = True
             bank_m = torch.cat([null_m, key_mask.view(b, n, size)], dim=1)  # [b, n_null + n, B]
 
-        idx, picked_valid, scale = select_buckets(scores, valid, n_sel, self.temperature)  # [b, h, n, n_sel]
+        idx, picked_valid, scale = select_buckets(
+            scores, valid, n_sel, self.temperature, weighted=self.weight_routed_values
+        )  # [b, h, n, n_sel]
         bi, hi = _batch_head_index(b, h, 4, q.device)
         routed_k = bank_k[bi, hi, idx].reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
         routed_v = bank_v[bi, hi, idx]
@@ -414,6 +423,7 @@ class CausalSinkhornHeads(nn.Module):
             record["q_count"] = mask.sum(1).float()  # [b]
             record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
             record["route_valid"] = picked_valid
+            record["route_weight"] = scale.detach() if self.weight_routed_values else None  # [b, h, n, n_sel]
             if not self.cross:
                 record["k_sum"] = k_sums  # [b, h, n, d]
                 record["k_count"] = k_counts  # [b, n]
@@ -445,8 +455,12 @@ class CausalSinkhornHeads(nn.Module):
                 [torch.ones(q.shape[0], self.n_top, dtype=torch.bool, device=q.device), counts > 0], dim=-1
             )[:, None, None, :]
             n_sel = self.n_top
-        idx, picked_valid, _ = select_buckets(scores, valid, n_sel, self.temperature)
+        idx, picked_valid, weight = select_buckets(
+            scores, valid, n_sel, self.temperature, weighted=self.weight_routed_values
+        )
         state["route"], state["route_valid"] = idx[:, :, 0], picked_valid[:, :, 0]  # [b, h, n_sel]
+        # the routed values' weights (weight_routed_values), applied where the chosen buckets are gathered
+        state["route_weight"] = weight[:, :, 0, :, None, None] if self.weight_routed_values else None
         return u
 
     def step(self, q, keys, values, cache_mask, position, state):
@@ -492,6 +506,8 @@ class CausalSinkhornHeads(nn.Module):
         null_v = self.null_values[hi[..., 0], null_i][..., None, :].to(values.dtype)
         routed_k = torch.where(is_null[..., None, None], null_k, keys[bi, hi, pos_c])  # [b, h, n_sel, B, d]
         routed_v = torch.where(is_null[..., None, None], null_v, values[bi, hi, pos_c])
+        if state["route_weight"] is not None:
+            routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
         routed_m = torch.where(is_null[..., None], slot == 0, (pos >= 0) & cache_mask[bi, pos_c])
         routed_m = routed_m & choice_valid[..., None]
         routed = self.n_top * size
@@ -516,7 +532,10 @@ class CausalSinkhornHeads(nn.Module):
             choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
             bi, hi = _batch_head_index(b, h, 3, q.device)
             state["k_buffer"] = ctx["bk"][bi, hi, choice].reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
-            state["v_buffer"] = ctx["bv"][bi, hi, choice].reshape(b, h, -1, d)
+            routed_v = ctx["bv"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
+            if state["route_weight"] is not None:
+                routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
+            state["v_buffer"] = routed_v.reshape(b, h, -1, d)
             state["m_buffer"] = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, -1)
             state["buffer_bucket"] = u
         m = state["m_buffer"][:, :, None, :]
@@ -569,6 +588,7 @@ class SinkhornSelfAttention(nn.Module):
                         config.sort_temperature,
                         config.attn_dropout,
                         impl,
+                        weight_routed_values=config.weight_routed_values,
                     ),
                     count,
                 )
@@ -589,6 +609,7 @@ class SinkhornSelfAttention(nn.Module):
                     config.sort_temperature,
                     config.attn_dropout,
                     impl,
+                    weight_routed_values=config.weight_routed_values,
                 ),
                 n_sink,
             )
@@ -656,6 +677,7 @@ class SinkhornCrossAttention(nn.Module):
                 impl,
                 cross=True,
                 kv_bucket_size=config.context_bucket,
+                weight_routed_values=config.weight_routed_values,
             )
         else:
             self.heads = SinkhornHeads(
@@ -673,6 +695,7 @@ class SinkhornCrossAttention(nn.Module):
                 config.sort_temperature,
                 config.attn_dropout,
                 impl,
+                weight_routed_values=config.weight_routed_values,
             )
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -794,6 +817,11 @@ def _grow(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
 
 
+def _weight_row(weights: torch.Tensor | None, bucket: int) -> torch.Tensor | None:
+    """The routed-value weights of one query bucket, [b, h, n, n_sel] -> [b, h, n_sel, 1, 1] (None: unweighted)."""
+    return None if weights is None else weights[:, :, bucket, :, None, None]
+
+
 def _map_state(state: dict, fn) -> dict:
     return {key: fn(val) if isinstance(val, torch.Tensor) else val for key, val in state.items()}
 
@@ -840,6 +868,7 @@ class SinkhornLayerState:
                 state["q_sum"], state["q_count"] = record["q_sum"].detach(), record["q_count"]
                 state["route"] = record["route"][:, :, last_bucket]
                 state["route_valid"] = record["route_valid"][:, :, last_bucket]
+                state["route_weight"] = _weight_row(record["route_weight"], last_bucket)
                 state["k_sum"] = _grow(record["k_sum"].detach(), 2, self.owner.bucket_capacity)
                 state["k_count"] = _grow(record["k_count"], 1, self.owner.bucket_capacity)
             self.groups.append(state)
@@ -862,6 +891,7 @@ class SinkhornLayerState:
             "q_count": record["q_count"],
             "route": record["route"][:, :, last_bucket],
             "route_valid": record["route_valid"][:, :, last_bucket],
+            "route_weight": _weight_row(record["route_weight"], last_bucket),
         }
 
     def append_kv(self, k, v):
