@@ -77,12 +77,12 @@ class SinkhornConfig(PreTrainedConfig):
         non_permutative: True = each query bucket takes its top-scoring key buckets independently (a key bucket
             may serve many query buckets); False = scores are balanced by Gumbel-Sinkhorn into a soft permutation
             first (Gumbel noise only in training). False needs `causal=False`.
-        weight_routed_values: False (default) = only the bucket *indices* come from the sort net and the chosen
-            buckets are attended as they are (a straight-through weight, exactly 1 in the forward pass, trains the
-            sort net). True = the values of each chosen bucket are multiplied by its routing weight (the routing
-            softmax at `sort_temperature`, or the Gumbel-Sinkhorn matrix), forward and backward, as the seed's
-            reordering matrix does (the seed also scales the keys; here only the values). Measured on the Tiny
-            Shakespeare benchmark (6 x 256, 100 steps): 3.567 bits/char with True vs 3.611 with False (package 3.597).
+        weight_routed_values: True (default) = the values of each chosen bucket are multiplied by its routing
+            weight (the routing softmax at `sort_temperature`, or the Gumbel-Sinkhorn matrix), forward and
+            backward, as the seed's reordering matrix does (the seed also scales the keys; here only the values).
+            False = only the bucket *indices* come from the sort net and the chosen buckets are attended as they
+            are (a straight-through weight, exactly 1 in the forward pass, trains the sort net). Tiny Shakespeare
+            benchmark (6 x 256, 100 steps): 3.567 bits/char with True, 3.611 with False (package 3.597).
         n_local_attn_heads: this many heads use local windowed attention (window = `bucket_size`, looking one
             window back, and one ahead when non-causal) instead of Sinkhorn attention.
         receives_context (alias `add_cross_attention`): layers also attend `encoder_hidden_states` (seed:
@@ -154,7 +154,7 @@ class SinkhornConfig(PreTrainedConfig):
     sinkhorn_iter: int = 5
     sort_temperature: float = 0.75
     non_permutative: bool = True
-    weight_routed_values: bool = False
+    weight_routed_values: bool = True
     n_local_attn_heads: int = 0
     receives_context: bool = False
     context_bucket_size: int | None = None

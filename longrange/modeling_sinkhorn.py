@@ -5,9 +5,11 @@ blocks and layer -> generation cache -> PreTrainedModel -> SinkhornModel -> Sink
 
 The sequence is cut into buckets of `bucket_size`. A sort net scores every (query bucket, key bucket) pair from
 bucket summaries; each query bucket attends its own bucket plus the `n_top_buckets` best key buckets in ONE
-softmax. Only the bucket *indices* are chosen by the sort net; a straight-through weight (exactly 1 in the forward
-pass) carries the routing softmax's gradient into the summaries, so outputs are plain attention over the chosen
-keys and values.
+softmax. The sort net chooses the bucket indices; by default (`weight_routed_values`) the values of each chosen
+bucket are multiplied by its routing weight, as the seed's reordering matrix does, which trains the sort net and
+lets a query bucket turn down a weak choice. With `weight_routed_values=False` a straight-through weight (exactly
+1 in the forward pass) carries the routing softmax's gradient instead, and outputs are plain attention over the
+chosen keys and values.
 
 Causal variant: a query bucket may choose strictly earlier key buckets or learned null buckets (so bucket 0 has
 something to choose), and attends causally inside its own bucket. The choice for a bucket is made from the

@@ -1,4 +1,5 @@
-"""weight_routed_values=True: the chosen buckets' values are scaled by their routing weight, in every code path."""
+"""weight_routed_values (default True): the chosen buckets' values are scaled by their routing weight, in every
+code path; False gives plain attention over the chosen buckets."""
 
 import torch
 
@@ -10,7 +11,13 @@ TINY = dict(vocab_size=40, hidden_size=24, num_hidden_layers=2, num_attention_he
 def test_weighted_routing_changes_outputs_and_generation_cache_matches_recompute():
     torch.manual_seed(3)
     config = SinkhornConfig(
-        **TINY, causal=True, receives_context=True, context_bucket_size=4, n_local_attn_heads=1, n_top_buckets=1
+        **TINY,
+        causal=True,
+        receives_context=True,
+        context_bucket_size=4,
+        n_local_attn_heads=1,
+        n_top_buckets=1,
+        weight_routed_values=False,
     )
     plain = SinkhornForCausalLM(config).eval()
     config_w = SinkhornConfig(**{**config.to_dict(), "weight_routed_values": True})
@@ -34,7 +41,8 @@ def test_weighted_routing_non_causal_paths():
     torch.manual_seed(4)
     ids = torch.randint(0, 40, (2, 16))
     for extra in (dict(), dict(non_permutative=False), dict(n_sortcut=1)):
-        plain = SinkhornForMaskedLM(SinkhornConfig(**TINY, n_top_buckets=1, **extra)).eval()
+        plain = SinkhornForMaskedLM(SinkhornConfig(**TINY, n_top_buckets=1, weight_routed_values=False, **extra))
+        plain.eval()
         model = SinkhornForMaskedLM(SinkhornConfig(**TINY, weight_routed_values=True, n_top_buckets=1, **extra))
         model.load_state_dict(plain.state_dict())
         with torch.no_grad():
