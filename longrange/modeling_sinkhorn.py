@@ -1329,13 +1329,21 @@ class SinkhornModel(SinkhornPreTrainedModel):
         return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
 
 
-class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
+class _SinkhornLanguageModel(SinkhornPreTrainedModel):
+    """The base model plus the language-model head shared by the causal and the masked LM: with factorised
+    embeddings (`emb_dim`) the hidden states are projected back to `emb_dim` before the (optionally tied) output
+    layer."""
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _needs_causal: bool
 
     def __init__(self, config: SinkhornConfig):
         super().__init__(config)
-        if not config.causal:
-            raise ValueError("SinkhornForCausalLM needs causal=True (use SinkhornForMaskedLM for causal=False)")
+        if config.causal != self._needs_causal:
+            other = "SinkhornForMaskedLM" if config.causal else "SinkhornForCausalLM"
+            raise ValueError(
+                f"{type(self).__name__} needs causal={self._needs_causal} (use {other} for causal={config.causal})"
+            )
         self.model = SinkhornModel(config)
         emb = config.embedding_size
         self.project_out = nn.Linear(config.hidden_size, emb) if emb != config.hidden_size else None
@@ -1347,6 +1355,15 @@ class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        return self.lm_head(hidden)  # [batch, seq, vocab]
+
+
+class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
+    _needs_causal = True
 
     def _random_truncate(self, input_ids, attention_mask, labels):
         """Cut every row at a random length (>= 2) and move it to the end of the window (left padding)."""
@@ -1401,9 +1418,7 @@ class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
         hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        if self.project_out is not None:
-            hidden = self.project_out(hidden)
-        logits = self.lm_head(hidden)
+        logits = self._logits(hidden)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
@@ -1412,24 +1427,8 @@ class SinkhornForCausalLM(SinkhornPreTrainedModel, GenerationMixin):
         )
 
 
-class SinkhornForMaskedLM(SinkhornPreTrainedModel):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    def __init__(self, config: SinkhornConfig):
-        super().__init__(config)
-        if config.causal:
-            raise ValueError("SinkhornForMaskedLM needs causal=False")
-        self.model = SinkhornModel(config)
-        emb = config.embedding_size
-        self.project_out = nn.Linear(config.hidden_size, emb) if emb != config.hidden_size else None
-        self.lm_head = nn.Linear(emb, config.vocab_size, bias=False)
-        self.post_init()
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
+class SinkhornForMaskedLM(_SinkhornLanguageModel):
+    _needs_causal = False
 
     @can_return_tuple
     def forward(
@@ -1455,10 +1454,7 @@ class SinkhornForMaskedLM(SinkhornPreTrainedModel):
             output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        hidden = outputs.last_hidden_state
-        if self.project_out is not None:
-            hidden = self.project_out(hidden)
-        logits = self.lm_head(hidden)
+        logits = self._logits(outputs.last_hidden_state)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
