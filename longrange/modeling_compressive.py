@@ -590,6 +590,11 @@ class CompressiveModel(CompressivePreTrainedModel):
         config = self.config
         if kwargs.get("output_attentions"):
             raise ValueError("output_attentions is not supported by the Compressive model")
+        if kwargs.get("position_ids") is not None:
+            raise ValueError(
+                "position_ids is not supported by the Compressive model: positions are relative (Transformer-XL) and "
+                "follow from the tokens the cache has seen; pass the tokens in order instead"
+            )
         if cache is None:
             cache = past_key_values
         if cache is not None and not isinstance(cache, CompressiveMemoryCache):

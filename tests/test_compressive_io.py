@@ -78,6 +78,8 @@ def test_bad_inputs_raise_clear_errors():
         model(ids[:1], cache=cache)
     with pytest.raises(TypeError, match="CompressiveMemoryCache"):
         model(ids, cache=object())
+    with pytest.raises(ValueError, match="position_ids"):  # relative positions: refused, never silently ignored
+        model(ids, position_ids=torch.arange(6)[None].expand(2, -1))
     with pytest.raises(ValueError):  # transformers itself refuses kernels the model does not declare
         config = tiny_config()
         config._attn_implementation = "flash_attention_2"
