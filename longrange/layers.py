@@ -92,3 +92,166 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
     )
     angles = positions.float()[:, None] * inv_freq[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Blockwise attention for training
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _shifted(table: torch.Tensor, first_row: int, q_len: int, k_len: int, keys: int) -> torch.Tensor:
+    """A [N, rows, keys] view of `table` [N, rows + 1, keys + 1]: the scores of query rows first_row,
+    first_row + 1, ... (plus a spare row) against the relative encodings of the largest `keys` distances
+    keys - 1 - (k_len - q_len) ... -(k_len - q_len) ... that is, of the last `keys` + 1 columns of the encodings of
+    distances K-1 ... 0 (the final column a zero one). At (r, j) it reads the score of row first_row + r for
+    distance (k_len - q_len + first_row + r) - j. Consecutive rows step `keys` elements through the (keys + 1)-wide
+    rows, so no two (r, j) share a slot and the view can be written to in the backward pass. Entries of future
+    keys (negative distances) read unrelated but finite values; the mask removes them."""
+    n, rows, width = table.shape
+    # column of (r, j) within the kept columns: (q_len - 1 - first_row - r + j) - (k_len - keys)
+    offset = q_len - 1 - first_row - (k_len - keys)
+    return table.as_strided((n, rows - 1, keys), (table.stride(0), width - 1, 1), table.storage_offset() + offset)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """softmax(q . k + shift(p . R), masked) v computed over blocks of query rows, with a hand-written backward.
+
+    Against autograd over the same operations it keeps every temporary at the size of one block (a few MB, which
+    the allocator recycles instead of mapping fresh pages for each [batch, heads, q, K] tensor), fuses the
+    scaling, the relative-position term, the mask and the softmax into in-place passes over the block, and skips
+    the keys a block of causal queries cannot see. Inputs are flattened to [N = batch * heads, ...]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, position_query, relative, heads, dropout, causal, block_rows):
+        # query [N, q, d] (scaled), key/value [N, K, d], mask bool [B, 1 or H, q, K] (N = B * H),
+        # position_query [N, q, d] (scaled) and relative [H, d, K] or None
+        n_rows, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
+        batch = n_rows // heads
+        relative_ext = None
+        if relative is not None:
+            # [N, d, K + 1]: a zero column, then the spare row of each block reads it (see `_shifted`)
+            relative_ext = (
+                F.pad(relative, (0, 1))[None].expand(batch, -1, -1, -1).reshape(n_rows, relative.shape[1], -1)
+            )
+            position_query = F.pad(position_query, (0, 0, 0, 1))  # a spare (zero) query row after the last
+        out = query.new_empty(query.shape[0], q_len, value.shape[-1])
+        probs, keeps = [], []
+        neg = torch.finfo(query.dtype).min
+        for start in range(0, q_len, block_rows):
+            end = min(q_len, start + block_rows)
+            keys_seen = k_len - q_len + end if causal else k_len  # later keys are in every row's future
+            scores = torch.matmul(query[:, start:end], key[:, :keys_seen].transpose(1, 2))  # [N, rows, keys]
+            if relative_ext is not None:
+                # only distances up to the block's largest are needed: the last `keys_seen` + 1 columns
+                table = torch.bmm(position_query[:, start : end + 1], relative_ext[:, :, k_len - keys_seen :])
+                scores += _shifted(table, start, q_len, k_len, keys_seen)
+            blocked = ~mask[:, :, start:end, :keys_seen]  # [B, 1 or H, rows, keys]
+            scores = scores.view(batch, heads, end - start, keys_seen).masked_fill_(blocked, neg)
+            weights = torch.softmax(scores, dim=-1)
+            del scores
+            # a row that sees no key at all attends to nothing: zeros (never NaN or a uniform average)
+            empty_rows = blocked.all(dim=-1, keepdim=True)
+            if empty_rows.any():
+                weights.masked_fill_(empty_rows, 0.0)
+            weights = weights.view(n_rows, end - start, keys_seen)
+            used = weights
+            if dropout > 0:
+                keep = torch.rand_like(weights) >= dropout
+                used = weights * keep / (1 - dropout)
+                keeps.append(keep)
+            torch.bmm(used, value[:, :keys_seen], out=out[:, start:end])
+            probs.append(weights)
+        ctx.save_for_backward(query, key, value, position_query, relative_ext, out)
+        ctx.probs, ctx.keeps = probs, keeps
+        ctx.shape = (heads, dropout, causal, block_rows, relative is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, position_query, relative_ext, out = ctx.saved_tensors
+        heads, dropout, causal, block_rows, has_relative = ctx.shape
+        n_rows, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
+        grad_out = grad_out.contiguous()
+        row_dots = torch.linalg.vecdot(grad_out, out)[..., None]  # [N, q, 1]
+        grad_query = torch.empty_like(query)
+        grad_position = torch.empty_like(position_query[:, :q_len]) if has_relative else None
+        grad_key = grad_value = grad_relative = None
+        starts = list(range(0, q_len, block_rows))
+        # last block first: it sees every key (and every distance column), so its products allocate the
+        # gradients of keys, values and encodings, and the earlier blocks add into their leading parts in place
+        for index in reversed(range(len(starts))):
+            start = starts[index]
+            end = min(q_len, start + block_rows)
+            keys_seen = k_len - q_len + end if causal else k_len
+            weights = ctx.probs[index]  # [N, rows, keys]
+            d_out = grad_out[:, start:end]
+            used = weights
+            if dropout > 0:
+                keep = ctx.keeps[index]
+                used = weights * keep / (1 - dropout)
+            if grad_value is None:
+                grad_value = torch.bmm(used.transpose(1, 2), d_out)
+            else:
+                grad_value[:, :keys_seen] += torch.bmm(used.transpose(1, 2), d_out)
+            grad_scores = torch.matmul(d_out, value[:, :keys_seen].transpose(1, 2))  # d weights (after dropout)
+            if dropout > 0:
+                grad_scores.mul_(keep).div_(1 - dropout)
+            # softmax backward in place: dS = P * (dP - sum_j dP P), where sum_j dP P = dO . O (even with dropout)
+            grad_scores.sub_(row_dots[:, start:end]).mul_(weights)
+            torch.bmm(grad_scores, key[:, :keys_seen], out=grad_query[:, start:end])
+            if grad_key is None:
+                grad_key = torch.bmm(grad_scores.transpose(1, 2), query[:, start:end])
+            else:
+                grad_key[:, :keys_seen] += torch.bmm(grad_scores.transpose(1, 2), query[:, start:end])
+            if has_relative:
+                columns = slice(k_len - keys_seen, None)
+                grad_table = grad_scores.new_zeros(n_rows, end - start + 1, keys_seen + 1)
+                _shifted(grad_table, start, q_len, k_len, keys_seen).copy_(grad_scores)
+                del grad_scores
+                relative_t = relative_ext[:, :, columns].transpose(1, 2)
+                torch.bmm(grad_table[:, :-1], relative_t, out=grad_position[:, start:end])
+                position_t = position_query[:, start : end + 1].transpose(1, 2)
+                if grad_relative is None:
+                    grad_relative = torch.bmm(position_t, grad_table)
+                else:
+                    grad_relative[:, :, columns] += torch.bmm(position_t, grad_table)
+        if has_relative:
+            grad_relative = grad_relative.view(-1, heads, *grad_relative.shape[1:]).sum(0)[..., :-1]
+        return grad_query, grad_key, grad_value, None, grad_position, grad_relative, None, None, None, None
+
+
+def blockwise_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    dropout: float = 0.0,
+    causal: bool = False,
+    position_query: torch.Tensor | None = None,
+    relative: torch.Tensor | None = None,
+    block_elements: int = 1 << 20,
+) -> torch.Tensor:
+    """Training-time attention, numerically `attend(...)` (eager) with an optional Transformer-XL position term.
+
+    query [B, H, q, d_head], key/value [B, H, K, d_head], mask bool broadcastable to [B, 1 or H, q, K]
+    (True = may attend); `causal=True` promises that query i never sees key j > K - q + i (the mask must say so
+    too: it only lets the kernel skip those keys). With `relative` [H, d_head, K] (encodings of distances K-1 ...
+    0) and `position_query` [B, H, q, d_head], score(i, j) = scale * (query_i . key_j + position_query_i .
+    relative_{(K - q + i) - j}). Rows that see no key give zeros. Computed over blocks of about
+    `block_elements` scores; see `_BlockwiseAttention`.
+    """
+    batch, heads, q_len, d_head = query.shape
+    k_len = key.shape[2]
+    dtype = query.dtype
+    if relative is not None and not causal:
+        raise ValueError("the relative-position term needs causal=True (future distances are not encoded)")
+    with torch.autocast(query.device.type, enabled=False):
+        flat = [t.to(dtype).reshape(batch * heads, t.shape[2], t.shape[3]) for t in (query * scale, key, value)]
+        mask = mask.expand(batch, mask.shape[1], q_len, k_len)
+        if relative is not None:
+            position_query = (position_query * scale).to(dtype).reshape(batch * heads, q_len, d_head)
+            relative = relative.to(dtype)
+        block_rows = max(1, min(q_len, block_elements // max(1, batch * heads * k_len)))
+        out = _BlockwiseAttention.apply(*flat, mask, position_query, relative, heads, dropout, causal, block_rows)
+    return out.view(batch, heads, q_len, -1)

@@ -30,7 +30,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from .configuration_compressive import CompressiveConfig
-from .layers import FeedForward, attend, sinusoidal_embedding
+from .layers import FeedForward, attend, blockwise_attention, sinusoidal_embedding
 from .product_key_memory import ProductKeyMemory
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -345,6 +345,22 @@ class CompressiveAttention(nn.Module):
         query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
         # position scores: (q + v) . r for every distance, then shifted to (query, key) pairs
         # (the scale is folded into the small query, not applied to the [b, h, q, K] scores)
+        if torch.is_grad_enabled() and self.implementation == "sdpa" and not need_weights:
+            # training: the position term needs a gradient, which sdpa's fused kernels cannot give; the blockwise
+            # kernel computes the same function in cache-sized blocks
+            out = blockwise_attention(
+                query + self.content_bias[:, None],
+                keys,
+                values,
+                mask,
+                self.scale,
+                dropout=self.dropout if self.training else 0.0,
+                causal=True,
+                position_query=query + self.position_bias[:, None],
+                relative=relative,
+            )
+            out = out.transpose(1, 2).reshape(batch, q_len, hidden)
+            return self.o_proj(out), None, query
         position_query = (query + self.position_bias[:, None]) * self.scale
         position = relative_shift(torch.matmul(position_query, relative))  # [batch, heads, q, K]
         result = attend(
@@ -366,6 +382,38 @@ class CompressiveAttention(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Decoder layer
 # ----------------------------------------------------------------------------------------------------------------
+
+
+class _MemoryProjection(torch.autograd.Function):
+    """linear(layer_norm(memory)) for memories, which are constants (detached layer inputs of earlier segments).
+
+    With x_hat the normalised memory and G the gradient of the output, autograd would run two products (the
+    weight's gradient G^T (x_hat * w + b), and G W to reach the norm's parameters). One is enough:
+    M = G^T x_hat gives the weight's gradient M * w + outer(sum G, b), the norm scale's sum_o W * M and the norm
+    shift's (sum G) W. Without a norm (post-LN layers) it is the weight's gradient G^T memory alone."""
+
+    @staticmethod
+    def forward(ctx, memory, norm_weight, norm_bias, eps, weight):
+        if norm_weight is None:
+            x_hat, normed = memory, memory
+        else:
+            x_hat = F.layer_norm(memory, memory.shape[-1:], None, None, eps)
+            normed = torch.addcmul(norm_bias, x_hat, norm_weight)
+        ctx.save_for_backward(x_hat, norm_weight, norm_bias, weight)
+        return F.linear(normed, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_hat, norm_weight, norm_bias, weight = ctx.saved_tensors
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        products = grad_2d.T @ x_hat.reshape(-1, x_hat.shape[-1])  # [out, in]
+        if norm_weight is None:
+            return None, None, None, None, products
+        grad_sum = grad_2d.sum(0)  # [out]
+        grad_weight = torch.addr(products * norm_weight, grad_sum, norm_bias)
+        grad_norm_weight = (weight * products).sum(0)
+        grad_norm_bias = grad_sum @ weight
+        return None, grad_norm_weight, grad_norm_bias, None, grad_weight
 
 
 def _detached_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -448,7 +496,14 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [batch, heads, len, d_head] of stored (un-normalised) memories."""
-        return self.attention.project_kv(self.attn_input_norm(memory))
+        attention = self.attention
+        if torch.is_grad_enabled() and not torch.is_autocast_enabled(memory.device.type) and memory.shape[1]:
+            # training: memories are constants, so one product gives every gradient (see _MemoryProjection)
+            norm = self.attn_input_norm
+            affine = (norm.weight, norm.bias, norm.eps) if isinstance(norm, nn.LayerNorm) else (None, None, 0.0)
+            keys, values = _MemoryProjection.apply(memory.detach(), *affine, attention.kv_proj.weight).chunk(2, -1)
+            return attention.split_heads(keys), attention.split_heads(values)
+        return attention.project_kv(self.attn_input_norm(memory))
 
     def attention_reconstruction_loss(
         self,

@@ -224,8 +224,10 @@ def test_relative_shift_matches_direct_indexing():
             assert torch.equal(shifted[..., i, j], by_distance[..., i, k_len - 1 - distance])
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation):
+@pytest.mark.parametrize("implementation, training", [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation, training):
+    """training=True runs the blockwise training kernel and also compares every parameter's gradient with
+    autograd through the loop."""
     config = tiny_config()
     config._attn_implementation = implementation
     torch.manual_seed(0)
@@ -243,7 +245,7 @@ def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation):
     causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
     mask = key_valid[:, None, None, :] & causal
     relative = attention.project_relative(sinusoidal_embedding(torch.arange(k_len - 1, -1, -1), hidden))
-    with torch.no_grad():
+    with torch.set_grad_enabled(training):
         out, _, _ = attention(query_input, keys, values, relative, mask)
 
         # direct computation, one (batch, head, query, key) at a time
@@ -267,6 +269,14 @@ def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation):
                     expected[b, i, h] = sum(p * values[b, h, j] for p, j in zip(probs, visible))
         expected = attention.o_proj(expected.reshape(batch, q_len, hidden))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    if training:
+        upstream = torch.randn_like(out)
+        params = [attention.q_proj.weight, attention.kv_proj.weight, attention.r_proj.weight]
+        params += [attention.content_bias, attention.position_bias, attention.o_proj.weight]
+        got = torch.autograd.grad((out * upstream).sum(), params, retain_graph=True)
+        want = torch.autograd.grad((expected * upstream).sum(), params)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
