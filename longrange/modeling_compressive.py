@@ -397,14 +397,18 @@ class _MemoryProjection(torch.autograd.Function):
     shift's (sum G) W. Without a norm (post-LN layers) it is the weight's gradient G^T memory alone."""
 
     @staticmethod
-    def forward(ctx, memory, norm_weight, norm_bias, eps, weight):
+    def forward(ctx, memory, norm_weight, norm_bias, eps, weight, known_tail):
+        # known_tail [batch, F, out]: the projection of the last F memories, already computed by the layer's
+        # previous chunk in this forward (same inputs, same weights): only the others are projected here
         if norm_weight is None:
             x_hat, normed = memory, memory
         else:
             x_hat = F.layer_norm(memory, memory.shape[-1:], None, None, eps)
             normed = torch.addcmul(norm_bias, x_hat, norm_weight)
         ctx.save_for_backward(x_hat, norm_weight, norm_bias, weight)
-        return F.linear(normed, weight)
+        if known_tail is None:
+            return F.linear(normed, weight)
+        return torch.cat([F.linear(normed[:, : memory.shape[1] - known_tail.shape[1]], weight), known_tail], dim=1)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -412,12 +416,12 @@ class _MemoryProjection(torch.autograd.Function):
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
         products = grad_2d.T @ x_hat.reshape(-1, x_hat.shape[-1])  # [out, in]
         if norm_weight is None:
-            return None, None, None, None, products
+            return None, None, None, None, products, None
         grad_sum = grad_2d.sum(0)  # [out]
         grad_weight = torch.addr(products * norm_weight, grad_sum, norm_bias)
         grad_norm_weight = (weight * products).sum(0)
         grad_norm_bias = grad_sum @ weight
-        return None, grad_norm_weight, grad_norm_bias, None, grad_weight
+        return None, grad_norm_weight, grad_norm_bias, None, grad_weight, None
 
 
 def _detached_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -468,6 +472,7 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         memory_length: int | None = None,
         attention_mask: torch.Tensor | None = None,
         need_weights: bool = False,
+        memory_tail_kv: torch.Tensor | None = None,
     ):
         """hidden_states [batch, q, hidden]: this chunk's layer inputs; relative [heads, d_head, K]: projected
         encodings of distances K-1 ... 0 (positional, like hidden_states: it carries gradient to r_proj). Either
@@ -475,7 +480,8 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         projection) or, in inference, the cache's key/value buffers `memory_keys` / `memory_values`
         [batch, heads, capacity, d_head] holding M = `memory_length` projected entries; the chunk's keys/values
         are written into them in place. Memories are passed under these names, never `cache`, so gradient
-        checkpointing keeps them.
+        checkpointing keeps them. `memory_tail_kv` [batch, F, 2 * hidden]: the key/value projection of the last F
+        memories when this forward already computed it (they are the previous chunk's inputs).
         Returns (output [batch, q, hidden], the chunk's queries [batch, heads, q, d_head], keys and values
         [batch, heads, M + q, d_head] of everything attended, attention probabilities or None); the reconstruction
         loss reuses the queries and keys/values (detached) instead of projecting them again."""
@@ -484,7 +490,7 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         if memory is not None:
             # projected apart from the segment: memories are detached, so backward only needs the weight gradient
             # for these rows, not an input gradient
-            memory_keys, memory_values = self.project_memory(memory)
+            memory_keys, memory_values = self.project_memory(memory, memory_tail_kv)
             keys = torch.cat([memory_keys, new_keys], dim=2)
             values = torch.cat([memory_values, new_values], dim=2)
         else:
@@ -498,14 +504,18 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.ff_output_norm(hidden_states + self.dropout(ff_out))
         return hidden_states, query, keys, values, weights
 
-    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values [batch, heads, len, d_head] of stored (un-normalised) memories."""
+    def project_memory(
+        self, memory: torch.Tensor, known_tail: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [batch, heads, len, d_head] of stored (un-normalised) memories. `known_tail`
+        [batch, F, 2 * hidden]: the key/value projection of the last F memories, when already known."""
         attention = self.attention
         if torch.is_grad_enabled() and not torch.is_autocast_enabled(memory.device.type) and memory.shape[1]:
             # training: memories are constants, so one product gives every gradient (see _MemoryProjection)
             norm = self.attn_input_norm
             affine = (norm.weight, norm.bias, norm.eps) if isinstance(norm, nn.LayerNorm) else (None, None, 0.0)
-            keys, values = _MemoryProjection.apply(memory.detach(), *affine, attention.kv_proj.weight).chunk(2, -1)
+            kv = _MemoryProjection.apply(memory.detach(), *affine, attention.kv_proj.weight, known_tail)
+            keys, values = kv.chunk(2, dim=-1)
             return attention.split_heads(keys), attention.split_heads(values)
         return attention.project_kv(self.attn_input_norm(memory))
 
@@ -691,6 +701,9 @@ class CompressiveModel(CompressivePreTrainedModel):
         all_hidden = [hidden_states] if output_hidden_states else None
         outputs, per_layer_outputs = [], [[] for _ in self.layers] if output_hidden_states else None
         reconstruction_losses = []
+        # per layer, the previous chunk's key/value projection (detached): the next chunk's memories end with
+        # that chunk's inputs, whose projection need not be computed again within this call
+        recent_kv = [None] * len(self.layers)
         start = 0
         while start < seq_len:
             # chunks end at segment boundaries counted over all tokens seen, so that any split of a sequence into
@@ -698,7 +711,12 @@ class CompressiveModel(CompressivePreTrainedModel):
             pending_len = cache.layers[0].pending.shape[1]
             end = min(seq_len, start + config.segment_length - pending_len)
             chunk_out, chunk_hidden = self._forward_chunk(
-                hidden_states[:, start:end], valid[:, start:end], cache, relative_tables, reconstruction_losses
+                hidden_states[:, start:end],
+                valid[:, start:end],
+                cache,
+                relative_tables,
+                reconstruction_losses,
+                recent_kv,
             )
             outputs.append(chunk_out)
             if output_hidden_states:
@@ -779,7 +797,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         distances = torch.arange(length - 1, -1, -1, device=like.device)
         return layer.attention.project_relative(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
 
-    def _forward_chunk(self, hidden_states, valid, cache, relative_tables, reconstruction_losses):
+    def _forward_chunk(self, hidden_states, valid, cache, relative_tables, reconstruction_losses, recent_kv):
         """One chunk (the rest of the current segment at most) through every layer, then the memory update of each
         layer if the chunk completes the segment."""
         config = self.config
@@ -794,7 +812,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         reuse_projections = not torch.is_grad_enabled()
 
         layer_outputs = []
-        for layer, state, table in zip(self.layers, cache.layers, relative_tables):
+        for index, (layer, state, table) in enumerate(zip(self.layers, cache.layers, relative_tables)):
             relative = table[:, :, -k_len:]  # [heads, d_head, K], distances K-1 ... 0
             if reuse_projections:
                 if state.keys is None:
@@ -809,13 +827,22 @@ class CompressiveModel(CompressivePreTrainedModel):
                     need_weights=self.track_usage,
                 )
             else:
+                tail = recent_kv[index]
+                if tail is not None:  # the memories' last rows are the previous chunk's inputs (the oldest may be gone)
+                    _, m_len, p_len = state.lengths()
+                    tail = tail[:, max(0, tail.shape[1] - m_len - p_len) :]
                 out, query, keys, values, weights = layer(
                     hidden_states,
                     relative,
                     memory=state.context(),
                     attention_mask=mask,
                     need_weights=self.track_usage,
+                    memory_tail_kv=tail,
                 )
+                # this chunk's projection, as the raw [batch, q, 2 * hidden] layout of kv_proj
+                recent_kv[index] = torch.cat(
+                    [t[:, :, -q_len:].transpose(1, 2).flatten(2) for t in (keys, values)], dim=-1
+                ).detach()
             starts_segment = state.pending.shape[1] == 0
             self._store_chunk(state, hidden_states.detach(), valid, weights)
             if completes_segment:

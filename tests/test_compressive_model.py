@@ -151,6 +151,51 @@ def test_one_forward_equals_forwards_passing_the_cache(options, grad):
             torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def _plain_memory_projection(memory, norm_weight, norm_bias, eps, weight, known_tail):
+    """What `_MemoryProjection` computes, by autograd and without reusing `known_tail`."""
+    if norm_weight is not None:
+        memory = torch.nn.functional.layer_norm(memory, memory.shape[-1:], norm_weight, norm_bias, eps)
+    return torch.nn.functional.linear(memory, weight)
+
+
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_gradients_of_one_forward_match_plain_autograd_and_segment_wise_calls(layer_norm_position, monkeypatch):
+    """float64. (a) One forward over 4 segments, which reuses each segment's key/value projection for the next
+    segment's memories and projects memories with a hand-written backward, against the same forward with that
+    projection done by plain autograd. (b) Memories are constants, so the same gradient is the sum of the
+    gradients of one call per segment passing the cache along."""
+    from longrange import modeling_compressive
+
+    model = tiny_model(layer_norm_position=layer_norm_position).double()
+    with torch.no_grad():  # non-trivial norm parameters, so that every term of the memory projection's backward counts
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.normal_(1.0, 0.3)
+                module.bias.normal_(0.0, 0.3)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    ids = torch.randint(0, VOCAB, (2, 16))
+    weights = torch.randn(2, 16, VOCAB, dtype=torch.float64)
+
+    def grads(calls_of):
+        cache, total = None, 0.0
+        for start in range(0, 16, calls_of):
+            out = model(ids[:, start : start + calls_of], cache=cache, use_cache=True)
+            cache, total = out.cache, total + (out.logits * weights[:, start : start + calls_of]).sum()
+        return torch.autograd.grad(total, params, allow_unused=True)
+
+    full = grads(16)
+    split = grads(4)
+    monkeypatch.setattr(modeling_compressive._MemoryProjection, "apply", _plain_memory_projection)
+    plain = grads(16)
+    assert any(g is not None and g.abs().sum() > 0 for g in full)
+    for (name, _), a, b, c in zip(named, full, split, plain):
+        assert (a is None) == (b is None) == (c is None), name
+        if a is not None:
+            torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-8, msg=f"{name} vs plain autograd")
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8, msg=f"{name} vs segment-wise calls")
+
+
 def test_labels_are_shifted_over_the_whole_sequence_across_segments():
     model = tiny_model()
     ids = torch.randint(0, VOCAB, (2, 11))
