@@ -100,13 +100,12 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _shifted(table: torch.Tensor, first_row: int, q_len: int, k_len: int, keys: int) -> torch.Tensor:
-    """A [N, rows, keys] view of `table` [N, rows + 1, keys + 1]: the scores of query rows first_row,
-    first_row + 1, ... (plus a spare row) against the relative encodings of the largest `keys` distances
-    keys - 1 - (k_len - q_len) ... -(k_len - q_len) ... that is, of the last `keys` + 1 columns of the encodings of
-    distances K-1 ... 0 (the final column a zero one). At (r, j) it reads the score of row first_row + r for
-    distance (k_len - q_len + first_row + r) - j. Consecutive rows step `keys` elements through the (keys + 1)-wide
-    rows, so no two (r, j) share a slot and the view can be written to in the backward pass. Entries of future
-    keys (negative distances) read unrelated but finite values; the mask removes them."""
+    """A [N, rows, keys] view of `table` [N, rows + 1, keys + 1]: the products of query rows first_row ...
+    first_row + rows (the last a spare) with the encodings of the last `keys` distance columns (of the K columns
+    for distances K-1 ... 0), followed by a zero column. Entry (r, j) of the view is the score of query row
+    first_row + r for its distance to key j, (k_len - q_len + first_row + r) - j. The view steps `keys` elements from
+    row to row of the (keys + 1)-wide table, so no two entries share a slot and the backward pass can write through
+    it. Entries of future keys (negative distances) read unrelated but finite values, which the mask removes."""
     n, rows, width = table.shape
     # column of (r, j) within the kept columns: (q_len - 1 - first_row - r + j) - (k_len - keys)
     offset = q_len - 1 - first_row - (k_len - keys)
@@ -163,13 +162,13 @@ class _BlockwiseAttention(torch.autograd.Function):
             probs.append(weights)
         ctx.save_for_backward(query, key, value, position_query, relative_ext, out)
         ctx.probs, ctx.keeps = probs, keeps
-        ctx.shape = (heads, dropout, causal, block_rows, relative is not None)
+        ctx.options = (heads, dropout, causal, block_rows, relative is not None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, position_query, relative_ext, out = ctx.saved_tensors
-        heads, dropout, causal, block_rows, has_relative = ctx.shape
+        heads, dropout, causal, block_rows, has_relative = ctx.options
         n_rows, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
         grad_out = grad_out.contiguous()
         row_dots = torch.linalg.vecdot(grad_out, out)[..., None]  # [N, q, 1]
