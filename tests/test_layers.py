@@ -89,3 +89,26 @@ def test_relative_term_requires_causal():
     (query, key, value, position_query), relative, mask = inputs(False)
     with pytest.raises(ValueError, match="causal=True"):
         blockwise_attention(query, key, value, mask, 0.3, position_query=position_query, relative=relative)
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_feed_forward_over_row_blocks_equals_one_pass(glu):
+    from longrange.layers import FeedForward
+
+    torch.manual_seed(0)
+    ff = FeedForward(8, 16, glu=glu).double()
+    x = torch.randn(3, 7, 8, dtype=torch.float64, requires_grad=True)
+    whole = ff(x)
+    ff.block_elements = 5 * ff.up.out_features  # 5 rows per block: 21 rows -> 5 blocks, the last one short
+    calls = []
+    rows = ff._rows
+    ff._rows = lambda part: calls.append(part.shape[0]) or rows(part)
+    blocked = ff(x)
+    assert calls == [5, 5, 5, 5, 1]
+    torch.testing.assert_close(blocked, whole, atol=1e-12, rtol=0)
+    upstream = torch.randn_like(whole)
+    leaves = [x, *ff.parameters()]
+    for got, want in zip(
+        torch.autograd.grad((blocked * upstream).sum(), leaves), torch.autograd.grad((whole * upstream).sum(), leaves)
+    ):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
