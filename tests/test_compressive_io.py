@@ -164,4 +164,6 @@ def test_benchmark_script_quick_mode_runs(tmp_path):
     figures = json.loads(out.read_text())
     assert set(figures["train_tokens_per_s"]) == {"ours", "reference"}
     assert figures["generate_tokens_per_s"]["ours"] > 0
-    assert "| training tokens/s (wall) |" in result.stdout
+    assert set(figures["train_tokens_per_s_same_process"]) == {"ours", "reference"}
+    assert "| training tokens/s (wall; each side alone in a process) |" in result.stdout
+    assert "| training tokens/s (wall; both in one process) |" in result.stdout
