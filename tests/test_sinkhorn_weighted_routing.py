@@ -178,3 +178,107 @@ def test_causal_weighted_routing_matches_naive_token_loop_both_offsets():
                     torch.testing.assert_close(out[i][:, real], ref[:, real], rtol=1e-6, atol=1e-6)
                     plain = naive_causal_weighted(heads, q[i], k[i], v[i], mask[i], weighted=False)
                     assert (out[i][:, real] - plain[:, real]).abs().max() > 1e-2
+
+
+def naive_sortcut_weighted(q, k, v, mask, size, n_sortcut, temperature, weighted=True):
+    """SortCut re-derived: the mean of all real queries scores each non-empty key bucket by the dot product with
+    its mean / sqrt(d); the top `n_sortcut` buckets are shared by every query bucket, which also attends its own
+    bucket (a chosen bucket equal to the own one is not attended twice). With `weighted`, a chosen bucket's values
+    are scaled by its routing weight, the softmax at the sort temperature over the non-empty buckets.
+    q, k, v: [h, L, d] (one batch row); mask: [L]."""
+    h, length, d = q.shape
+    n = length // size
+    out = torch.zeros_like(q)
+    buckets = [[t for t in range(u * size, (u + 1) * size) if mask[t]] for u in range(n)]
+    real = [t for t in range(length) if mask[t]]
+    for head in range(h):
+        summary = q[head, real].mean(0)
+        scores = {j: float(summary @ k[head, p].mean(0)) / math.sqrt(d) for j, p in enumerate(buckets) if p}
+        weights = torch.tensor(list(scores.values()), dtype=torch.float64).div(temperature).softmax(0)
+        weight = dict(zip(scores, weights.tolist()))
+        chosen = sorted(scores, key=lambda j: -scores[j])[:n_sortcut]
+        for u in range(n):
+            routed = [j for j in chosen if j != u]
+            keys = torch.cat([k[head, buckets[j]] for j in routed] + [k[head, buckets[u]]])
+            values = torch.cat(
+                [(weight[j] if weighted else 1.0) * v[head, buckets[j]] for j in routed] + [v[head, buckets[u]]]
+            )
+            for p in buckets[u]:
+                out[head, p] = (keys @ q[head, p] / math.sqrt(d)).softmax(-1) @ values
+    return out
+
+
+@pytest.mark.parametrize("n_sortcut", [1, 2])
+def test_sortcut_weighted_routing_matches_naive_loop(n_sortcut):
+    torch.manual_seed(7)
+    b, h, d, size, n, temperature = 2, 2, 6, 4, 5, 0.75
+    length = size * n
+    heads = SinkhornHeads(
+        h, d, size, size, 1, n_sortcut, True, False, n, True, 1, temperature, 0.0, "sdpa", weight_routed_values=True,
+    ).eval()  # fmt: skip
+    q, k, v = (torch.randn(b, h, length, d, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(b, length, dtype=torch.bool)
+    mask[1, 10:] = False  # right padding: bucket 2 half real, buckets 3 and 4 empty (never chosen)
+    mask[0, 5] = False  # a hole inside bucket 1
+    with torch.no_grad():
+        out = heads(q, k, v, mask)
+    for i in range(b):
+        real = mask[i]
+        ref = naive_sortcut_weighted(q[i], k[i], v[i], mask[i], size, n_sortcut, temperature)
+        torch.testing.assert_close(out[i][:, real], ref[:, real], rtol=1e-6, atol=1e-6)
+        plain = naive_sortcut_weighted(q[i], k[i], v[i], mask[i], size, n_sortcut, temperature, weighted=False)
+        assert (out[i][:, real] - plain[:, real]).abs().max() > 1e-2  # the weights matter: this test can fail
+
+
+def naive_causal_cross_weighted(q, ck, cv, mask, context_mask, size, context_size, n_top, temperature, weighted=True):
+    """A causal decoder's cross-attention re-derived token by token: the token's query bucket u scores each
+    non-empty context bucket by mean(real queries up to u's leading token) . mean(its context keys) / sqrt(d),
+    attends the top `n_top` only (no own bucket), their values scaled by the routing weight (the softmax at the
+    sort temperature over the non-empty context buckets). q: [h, L, d]; ck, cv: [h, C, d]; masks: [L], [C]."""
+    h, length, d = q.shape
+    n_ctx = ck.shape[1] // context_size
+    out = torch.zeros_like(q)
+    ctx = [[t for t in range(j * context_size, (j + 1) * context_size) if context_mask[t]] for j in range(n_ctx)]
+    for p in range(length):
+        if not mask[p]:
+            continue
+        lead = (p // size) * size
+        before = [t for t in range(0, lead + 1) if mask[t]]
+        for head in range(h):
+            sq = q[head, before].mean(0) if before else torch.zeros(d, dtype=q.dtype)
+            scores = {j: float(sq @ ck[head, c].mean(0)) / math.sqrt(d) for j, c in enumerate(ctx) if c}
+            weights = dict(zip(scores, torch.tensor(list(scores.values())).div(temperature).softmax(0).tolist()))
+            chosen = sorted(scores, key=lambda j: -scores[j])[:n_top]
+            keys = torch.cat([ck[head, ctx[j]] for j in chosen])
+            values = torch.cat([(weights[j] if weighted else 1.0) * cv[head, ctx[j]] for j in chosen])
+            out[head, p] = (keys @ q[head, p] / math.sqrt(d)).softmax(-1) @ values
+    return out
+
+
+@pytest.mark.parametrize("n_top", [1, 2])
+def test_causal_cross_attention_weighted_routing_matches_naive_token_loop(n_top):
+    torch.manual_seed(8)
+    b, h, d, size, context_size, temperature = 2, 2, 6, 4, 3, 0.75
+    length, context_length = 4 * size, 5 * context_size
+    heads = CausalSinkhornHeads(
+        h, d, size, n_top, 0, temperature, 0.0, "sdpa", cross=True, kv_bucket_size=context_size,
+        weight_routed_values=True,
+    ).double().eval()  # fmt: skip
+    q = torch.randn(b, h, length, d, dtype=torch.float64)
+    ck, cv = (torch.randn(b, h, context_length, d, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(b, length, dtype=torch.bool)
+    # left padding of a whole bucket (a partly padded first bucket has a padded leading token, hence an all-zero
+    # summary, equal scores for every context bucket and a tie that any choice resolves correctly)
+    mask[1, :4] = False
+    mask[0, 6] = False  # a hole inside a query bucket
+    context_mask = torch.ones(b, context_length, dtype=torch.bool)
+    context_mask[0, 9:] = False  # context buckets 3 and 4 empty: never chosen
+    context_mask[1, 4] = False  # a hole inside context bucket 1
+    with torch.no_grad():
+        out = heads(q, ck, cv, mask, k_mask=context_mask)
+    for i in range(b):
+        real = mask[i]
+        args = (q[i], ck[i], cv[i], mask[i], context_mask[i], size, context_size, n_top, 0.75)
+        torch.testing.assert_close(out[i][:, real], naive_causal_cross_weighted(*args)[:, real], rtol=1e-6, atol=1e-6)
+        plain = naive_causal_cross_weighted(*args, weighted=False)
+        assert (out[i][:, real] - plain[:, real]).abs().max() > 1e-2  # the weights matter: this test can fail
