@@ -100,27 +100,35 @@ def naive_non_causal_weighted(q, k, v, mask, size, n_top, temperature, sinkhorn_
     return out
 
 
-@pytest.mark.parametrize("n_top,sinkhorn_iter", [(1, None), (2, None), (2, 3)])
-def test_non_causal_weighted_routing_matches_naive_bucket_loop(n_top, sinkhorn_iter):
-    torch.manual_seed(5)
-    b, h, d, size, n, temperature = 2, 2, 6, 4, 5, 0.75
-    length = size * n
+SIZE, BUCKETS, TEMPERATURE = 4, 5, 0.75
+
+
+def run_non_causal_heads(seed, n_top=1, n_sortcut=0, sinkhorn_iter=None):
+    """Weighted non-causal heads (2 rows, 2 heads, 5 buckets of 4) over float64 inputs with right padding (bucket 2
+    half real, buckets 3 and 4 empty, never chosen) and a hole in bucket 1. Returns q, k, v, mask and the output."""
+    torch.manual_seed(seed)
+    b, h, d, length = 2, 2, 6, SIZE * BUCKETS
     heads = SinkhornHeads(
-        h, d, size, size, n_top, 0, True, False, n, sinkhorn_iter is None, sinkhorn_iter or 1, temperature, 0.0,
-        "sdpa", weight_routed_values=True,
+        h, d, SIZE, SIZE, n_top, n_sortcut, True, False, BUCKETS, sinkhorn_iter is None, sinkhorn_iter or 1,
+        TEMPERATURE, 0.0, "sdpa", weight_routed_values=True,
     ).eval()  # fmt: skip
     q, k, v = (torch.randn(b, h, length, d, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(b, length, dtype=torch.bool)
-    mask[1, 10:] = False  # right padding: bucket 2 half real, buckets 3 and 4 empty (never chosen)
-    mask[0, 5] = False  # a hole inside bucket 1
+    mask[1, 10:] = False
+    mask[0, 5] = False
     with torch.no_grad():
-        out = heads(q, k, v, mask)
-    for i in range(b):
+        return q, k, v, mask, heads(q, k, v, mask)
+
+
+@pytest.mark.parametrize("n_top,sinkhorn_iter", [(1, None), (2, None), (2, 3)])
+def test_non_causal_weighted_routing_matches_naive_bucket_loop(n_top, sinkhorn_iter):
+    q, k, v, mask, out = run_non_causal_heads(5, n_top=n_top, sinkhorn_iter=sinkhorn_iter)
+    for i in range(len(mask)):
         real = mask[i]
-        ref = naive_non_causal_weighted(q[i], k[i], v[i], mask[i], size, n_top, temperature, sinkhorn_iter)
-        torch.testing.assert_close(out[i][:, real], ref[:, real], rtol=1e-6, atol=1e-6)
+        args = (q[i], k[i], v[i], mask[i], SIZE, n_top, TEMPERATURE, sinkhorn_iter)
+        torch.testing.assert_close(out[i][:, real], naive_non_causal_weighted(*args)[:, real], rtol=1e-6, atol=1e-6)
         # the weights matter: unweighted routing is far from the output (so this test can fail)
-        plain = naive_non_causal_weighted(q[i], k[i], v[i], mask[i], size, n_top, temperature, sinkhorn_iter, False)
+        plain = naive_non_causal_weighted(*args, weighted=False)
         assert (out[i][:, real] - plain[:, real]).abs().max() > 1e-2
 
 
@@ -210,23 +218,12 @@ def naive_sortcut_weighted(q, k, v, mask, size, n_sortcut, temperature, weighted
 
 @pytest.mark.parametrize("n_sortcut", [1, 2])
 def test_sortcut_weighted_routing_matches_naive_loop(n_sortcut):
-    torch.manual_seed(7)
-    b, h, d, size, n, temperature = 2, 2, 6, 4, 5, 0.75
-    length = size * n
-    heads = SinkhornHeads(
-        h, d, size, size, 1, n_sortcut, True, False, n, True, 1, temperature, 0.0, "sdpa", weight_routed_values=True,
-    ).eval()  # fmt: skip
-    q, k, v = (torch.randn(b, h, length, d, dtype=torch.float64) for _ in range(3))
-    mask = torch.ones(b, length, dtype=torch.bool)
-    mask[1, 10:] = False  # right padding: bucket 2 half real, buckets 3 and 4 empty (never chosen)
-    mask[0, 5] = False  # a hole inside bucket 1
-    with torch.no_grad():
-        out = heads(q, k, v, mask)
-    for i in range(b):
+    q, k, v, mask, out = run_non_causal_heads(7, n_sortcut=n_sortcut)
+    for i in range(len(mask)):
         real = mask[i]
-        ref = naive_sortcut_weighted(q[i], k[i], v[i], mask[i], size, n_sortcut, temperature)
-        torch.testing.assert_close(out[i][:, real], ref[:, real], rtol=1e-6, atol=1e-6)
-        plain = naive_sortcut_weighted(q[i], k[i], v[i], mask[i], size, n_sortcut, temperature, weighted=False)
+        args = (q[i], k[i], v[i], mask[i], SIZE, n_sortcut, TEMPERATURE)
+        torch.testing.assert_close(out[i][:, real], naive_sortcut_weighted(*args)[:, real], rtol=1e-6, atol=1e-6)
+        plain = naive_sortcut_weighted(*args, weighted=False)
         assert (out[i][:, real] - plain[:, real]).abs().max() > 1e-2  # the weights matter: this test can fail
 
 
