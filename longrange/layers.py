@@ -15,6 +15,21 @@ from torch import nn
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuses token ids outside [0, vocab_size) without reading a value back to the host: an asynchronous device
+    assert (a CUDA step never waits for it), which is also what a compiled graph keeps. Eager calls turn the
+    failure into a ValueError naming vocab_size; on an accelerator it surfaces as a device-side assert."""
+    in_range = ((input_ids >= 0) & (input_ids < vocab_size)).all()
+    message = f"input_ids must lie in [0, vocab_size={vocab_size})"
+    if torch.compiler.is_compiling() or input_ids.device.type != "cpu":
+        torch._assert_async(in_range, message)
+        return
+    try:
+        torch._assert_async(in_range, message)
+    except RuntimeError as error:
+        raise ValueError(f"{message}, got values in [{input_ids.min()}, {input_ids.max()}]") from error
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -164,10 +179,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             scores = scores.view(batch, heads, end - start, keys_seen).masked_fill_(blocked, neg)
             weights = torch.softmax(scores, dim=-1)
             del scores
-            # a row that sees no key at all attends to nothing: zeros (never NaN or a uniform average)
-            empty_rows = blocked.all(dim=-1, keepdim=True)
-            if empty_rows.any():
-                weights.masked_fill_(empty_rows, 0.0)
+            # a row that sees no key at all attends to nothing: zeros (never NaN or a uniform average); filled
+            # unconditionally, as asking whether any row is empty would wait for the device
+            weights.masked_fill_(blocked.all(dim=-1, keepdim=True), 0.0)
             weights = weights.view(n_rows, end - start, keys_seen)
             used = weights
             if dropout > 0:
@@ -183,7 +197,14 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, position_query, relative_ext, out = ctx.saved_tensors
+        # the products below run in the inputs' dtype even when backward() is called inside an autocast region
+        saved = ctx.saved_tensors  # unpacked once (activation checkpointing allows no more)
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _BlockwiseAttention._backward(ctx, saved, grad_out.to(saved[0].dtype))
+
+    @staticmethod
+    def _backward(ctx, saved, grad_out):
+        query, key, value, position_query, relative_ext, out = saved
         heads, dropout, causal, block_rows, has_relative = ctx.options
         n_rows, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
         grad_out = grad_out.contiguous()
@@ -270,3 +291,41 @@ def blockwise_attention(
         block_rows = max(1, min(q_len, block_elements // max(1, batch * heads * k_len)))
         out = _BlockwiseAttention.apply(*flat, mask, position_query, relative, heads, dropout, causal, block_rows)
     return out.view(batch, heads, q_len, -1)
+
+
+def blockwise_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The blockwise kernel behind transformers' attention interface, registered as attn_implementation="blockwise"
+    (so `from_pretrained(..., attn_implementation="blockwise")` is accepted, and any transformers model can train
+    with it on the CPU). query [B, H, q, d], key/value [B, H_kv, K, d]; attention_mask None (causal), bool (True =
+    attend) or additive float, broadcastable to [B, 1 or H, q, K]. Returns ([B, q, H, d], None)."""
+    batch, heads, q_len, d_head = query.shape
+    k_len = key.shape[2]
+    if key.shape[1] != heads:  # grouped-query attention: each key/value head serves heads / H_kv query heads
+        key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", True) and q_len > 1
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device)
+        mask = mask.tril(k_len - q_len) if causal else mask
+    elif attention_mask.dtype == torch.bool:
+        mask = attention_mask
+    else:
+        mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    mask = mask[(None,) * (4 - mask.dim())]
+    scale = d_head**-0.5 if scaling is None else scaling
+    out = blockwise_attention(query, key, value, mask, scale, dropout=dropout if module.training else 0.0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_blockwise() -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register("blockwise", blockwise_attention_forward)
+    try:  # masks for it are made as for sdpa (bool, True = attend)
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionMaskInterface.register("blockwise", sdpa_mask)
+    except ImportError:
+        pass
+
+
+_register_blockwise()

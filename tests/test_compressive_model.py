@@ -269,12 +269,25 @@ def test_relative_shift_matches_direct_indexing():
             assert torch.equal(shifted[..., i, j], by_distance[..., i, k_len - 1 - distance])
 
 
-@pytest.mark.parametrize("implementation, training", [("sdpa", False), ("eager", False), ("sdpa", True)])
-def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation, training):
-    """training=True runs the blockwise training kernel and also compares every parameter's gradient with
-    autograd through the loop."""
+@pytest.mark.parametrize(
+    "implementation, training",
+    [
+        ("sdpa", False),
+        ("eager", False),
+        ("sdpa", True),
+        ("eager", True),
+        ("blockwise", True),
+        ("fused sdpa", True),
+    ],
+)
+def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation, training, monkeypatch):
+    """training=True also compares every parameter's gradient with autograd through the loop: "sdpa" trains with
+    the blockwise kernel on the CPU; "fused sdpa" forces what GPUs and compiled graphs run (torch's sdpa with the
+    position term as an additive bias receiving its gradient)."""
     config = tiny_config()
-    config._attn_implementation = implementation
+    config._attn_implementation = implementation.split()[-1]
+    if implementation == "fused sdpa":
+        monkeypatch.setattr(CompressiveAttention, "kernel", lambda self, device, need_weights=False: "sdpa")
     torch.manual_seed(0)
     attention = CompressiveAttention(config).eval()
     with torch.no_grad():
