@@ -6,6 +6,10 @@ and `save_pretrained` writes an `auto_map` so saved folders also load with `trus
 package is not installed.
 """
 
+import importlib.abc
+import importlib.util
+import sys
+
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from .configuration_compressive import CompressiveConfig
@@ -44,6 +48,51 @@ def _register() -> None:
 
 
 _register()
+
+# PEFT picks LoRA's default `target_modules` by model type from a table of its own: ours are added when peft is
+# imported (peft takes seconds to import, so `import longrange` does not import it). The attention projections, as
+# for transformers' own models: the Compressive model fuses keys and values in `kv_proj`.
+PEFT_TARGET_MODULES = {
+    CompressiveConfig.model_type: ["q_proj", "kv_proj", "o_proj"],
+    SinkhornConfig.model_type: ["to_q", "to_kv", "to_out"],
+}
+
+
+def _register_peft_defaults(constants) -> None:
+    for table in (
+        "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING",
+        "TRANSFORMERS_MODELS_TO_ADALORA_TARGET_MODULES_MAPPING",
+    ):
+        if hasattr(constants, table):
+            for model_type, targets in PEFT_TARGET_MODULES.items():
+                getattr(constants, table).setdefault(model_type, list(targets))
+
+
+class _AfterPeftConstants(importlib.abc.MetaPathFinder):
+    """Runs `_register_peft_defaults` right after `peft.utils.constants` is first executed."""
+
+    name = "peft.utils.constants"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                _register_peft_defaults(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if _AfterPeftConstants.name in sys.modules:
+    _register_peft_defaults(sys.modules[_AfterPeftConstants.name])
+elif importlib.util.find_spec("peft") is not None:
+    sys.meta_path.insert(0, _AfterPeftConstants())
 
 __all__ = [
     "CompressiveConfig",
