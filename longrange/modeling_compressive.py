@@ -600,18 +600,23 @@ def _masked_mse(prediction: torch.Tensor, target: torch.Tensor, valid: torch.Ten
 @dataclass
 class CompressiveModelOutput(ModelOutput):
     """last_hidden_state [batch, seq, hidden]; cache (when use_cache); hidden_states (embeddings + each layer's
-    output, when asked); reconstruction_loss (training with a reconstruction loss, once compression happened)."""
+    output, when asked); attentions (with output_attentions: per layer [batch, heads, seq, c_mem_len + mem_len +
+    segment_length], each token's attention over the compressed-memory slots, the memory slots (both newest last)
+    and the positions of its segment; slots not held are zero); reconstruction_loss (training with a
+    reconstruction loss, once compression happened)."""
 
     last_hidden_state: torch.FloatTensor | None = None
     cache: CompressiveMemoryCache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
     reconstruction_loss: torch.FloatTensor | None = None
 
 
 @dataclass
 class CompressiveCausalLMOutput(ModelOutput):
     """loss = lm_loss + reconstruction_loss_weight * reconstruction_loss (what Trainer optimises); lm_loss and
-    reconstruction_loss separately for logging; logits [batch, seq, vocab]; cache; hidden_states."""
+    reconstruction_loss separately for logging; logits [batch, seq, vocab]; cache; hidden_states; attentions (see
+    CompressiveModelOutput)."""
 
     loss: torch.FloatTensor | None = None
     lm_loss: torch.FloatTensor | None = None
@@ -619,6 +624,7 @@ class CompressiveCausalLMOutput(ModelOutput):
     logits: torch.FloatTensor | None = None
     cache: CompressiveMemoryCache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 class CompressivePreTrainedModel(PreTrainedModel):
@@ -671,11 +677,11 @@ class CompressiveModel(CompressivePreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         past_key_values: CompressiveMemoryCache | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> CompressiveModelOutput | tuple:
         config = self.config
-        if kwargs.get("output_attentions"):
-            raise ValueError("output_attentions is not supported by the Compressive model")
+        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
         if kwargs.get("position_ids") is not None:
             raise ValueError(
                 "position_ids is not supported by the Compressive model: positions are relative (Transformer-XL) and "
@@ -717,6 +723,7 @@ class CompressiveModel(CompressivePreTrainedModel):
 
         all_hidden = [hidden_states] if output_hidden_states else None
         outputs, per_layer_outputs = [], [[] for _ in self.layers] if output_hidden_states else None
+        per_layer_attentions = [[] for _ in self.layers] if output_attentions else None
         reconstruction_losses = []
         # per layer, the previous chunk's key/value projection (detached): the next chunk's memories end with
         # that chunk's inputs, whose projection need not be computed again within this call
@@ -727,18 +734,22 @@ class CompressiveModel(CompressivePreTrainedModel):
             # calls (one forward, segment-wise calls, or token-by-token decoding) gives the same segmenting
             pending_len = cache.layers[0].pending.shape[1]
             end = min(seq_len, start + config.segment_length - pending_len)
-            chunk_out, chunk_hidden = self._forward_chunk(
+            chunk_out, chunk_hidden, chunk_attentions = self._forward_chunk(
                 hidden_states[:, start:end],
                 valid[:, start:end],
                 cache,
                 relative_tables,
                 reconstruction_losses,
                 recent_kv,
+                output_attentions,
             )
             outputs.append(chunk_out)
             if output_hidden_states:
                 for layer_outputs, h in zip(per_layer_outputs, chunk_hidden):
                     layer_outputs.append(h)
+            if output_attentions:
+                for layer_attentions, weights in zip(per_layer_attentions, chunk_attentions):
+                    layer_attentions.append(weights)
             start = end
 
         hidden_states = self.norm(torch.cat(outputs, dim=1))
@@ -756,6 +767,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             last_hidden_state=hidden_states,
             cache=cache if use_cache else None,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(torch.cat(a, dim=2) for a in per_layer_attentions) if output_attentions else None,
             reconstruction_loss=reconstruction_loss,
         )
         return result if return_dict else result.to_tuple()
@@ -810,9 +822,12 @@ class CompressiveModel(CompressivePreTrainedModel):
         distances = torch.arange(length - 1, -1, -1, device=like.device)
         return layer.attention.project_relative(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
 
-    def _forward_chunk(self, hidden_states, valid, cache, relative_tables, reconstruction_losses, recent_kv):
+    def _forward_chunk(
+        self, hidden_states, valid, cache, relative_tables, reconstruction_losses, recent_kv, output_attentions=False
+    ):
         """One chunk (the rest of the current segment at most) through every layer, then the memory update of each
-        layer if the chunk completes the segment."""
+        layer if the chunk completes the segment. With `output_attentions`, also each layer's attention
+        probabilities in the fixed slot layout of `_slot_layout`."""
         config = self.config
         q_len = hidden_states.shape[1]
         first = cache.layers[0]
@@ -823,8 +838,9 @@ class CompressiveModel(CompressivePreTrainedModel):
         mask = key_valid[:, None, None, :] & causal  # [batch, 1, q, K]
         completes_segment = first.pending.shape[1] + q_len == config.segment_length
         reuse_projections = not torch.is_grad_enabled()
+        need_weights = self.track_usage or output_attentions
 
-        layer_outputs = []
+        layer_outputs, layer_attentions = [], []
         for index, (layer, state, table) in enumerate(zip(self.layers, cache.layers, relative_tables)):
             relative = table[:, :, -k_len:]  # [heads, d_head, K], distances K-1 ... 0
             if reuse_projections:
@@ -837,7 +853,7 @@ class CompressiveModel(CompressivePreTrainedModel):
                     memory_values=state.values,
                     memory_length=state.projected_len,
                     attention_mask=mask,
-                    need_weights=self.track_usage,
+                    need_weights=need_weights,
                 )
             else:
                 tail = recent_kv[index]
@@ -849,7 +865,7 @@ class CompressiveModel(CompressivePreTrainedModel):
                     relative,
                     memory=state.context(),
                     attention_mask=mask,
-                    need_weights=self.track_usage,
+                    need_weights=need_weights,
                     memory_tail_kv=tail,
                 )
                 # this chunk's projection, as the raw [batch, q, 2 * hidden] layout of kv_proj
@@ -857,7 +873,9 @@ class CompressiveModel(CompressivePreTrainedModel):
                     [t[:, :, -q_len:].transpose(1, 2).flatten(2) for t in (keys, values)], dim=-1
                 ).detach()
             starts_segment = state.pending.shape[1] == 0
-            self._store_chunk(state, hidden_states.detach(), valid, weights)
+            if output_attentions:
+                layer_attentions.append(self._slot_layout(weights, state))
+            self._store_chunk(state, hidden_states.detach(), valid, weights if self.track_usage else None)
             if completes_segment:
                 # the chunk is the whole segment when it started one: its projections can serve the reconstruction
                 projections = (query, keys, values) if starts_segment else None
@@ -867,7 +885,22 @@ class CompressiveModel(CompressivePreTrainedModel):
             layer_outputs.append(out)
             hidden_states = out
         cache.seen_tokens += q_len
-        return hidden_states, layer_outputs
+        return hidden_states, layer_outputs, layer_attentions
+
+    def _slot_layout(self, weights: torch.Tensor, state) -> torch.Tensor:
+        """[batch, heads, q, c_len + m_len + p_len + q] probabilities -> [batch, heads, q, c_mem_len + mem_len +
+        segment_length]: the compressed-memory slots (newest last), the memory slots (newest last), then the
+        positions of the current segment; slots not held yet are zero. Every chunk of a call lands in the same
+        layout, so the layers' attentions concatenate over the whole input."""
+        config = self.config
+        c_len, m_len, _ = state.lengths()
+        compressed, memory, segment = weights.split([c_len, m_len, weights.shape[-1] - c_len - m_len], dim=-1)
+        layout = weights.new_zeros(*weights.shape[:-1], config.c_mem_len + config.mem_len + config.segment_length)
+        layout[..., config.c_mem_len - c_len : config.c_mem_len] = compressed
+        memory_end = config.c_mem_len + config.mem_len
+        layout[..., memory_end - m_len : memory_end] = memory
+        layout[..., memory_end : memory_end + segment.shape[-1]] = segment
+        return layout
 
     def _store_chunk(self, state, inputs, valid, weights) -> None:
         """Append the chunk's layer inputs to the pending segment (and its keys/values when reusing projections);
@@ -967,6 +1000,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         past_key_values: CompressiveMemoryCache | None = None,
+        output_attentions: bool | None = None,
         logits_to_keep: int = 0,
         **kwargs,
     ) -> CompressiveCausalLMOutput | tuple:
@@ -981,6 +1015,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
             return_dict=True,
             **kwargs,
         )
@@ -1011,6 +1046,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
             logits=logits,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
         return result if return_dict else result.to_tuple()
 
@@ -1037,7 +1073,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
             model_inputs["input_ids"] = input_ids[:, -next_sequence_length:]
         else:
             model_inputs["input_ids"] = input_ids[:, seen:] if seen else input_ids
-        for key in ("output_hidden_states", "return_dict", "logits_to_keep"):
+        for key in ("output_hidden_states", "output_attentions", "return_dict", "logits_to_keep"):
             if key in kwargs:
                 model_inputs[key] = kwargs[key]
         return model_inputs

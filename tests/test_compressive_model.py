@@ -427,3 +427,58 @@ def test_most_used_keeps_the_memories_that_received_most_attention():
         cache = model(ids, use_cache=True).cache
     torch.testing.assert_close(cache.layers[0].c_mem[0], inputs[kept])
     torch.testing.assert_close(cache.layers[0].mem[0], inputs[4:8])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# output_attentions, against softmax over relative scores computed here
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_output_attentions_are_the_relative_attention_probabilities_in_slot_layout():
+    """One layer, two segments, memory large enough to hold the first: token t attends every token j <= t with
+    distance t - j. The weights come back over [compressed slots, memory slots (newest last), segment positions]."""
+    segment, mem_len, c_mem_len = 4, 8, 2
+    model = tiny_model(num_hidden_layers=1, segment_length=segment, mem_len=mem_len, c_mem_len=c_mem_len)
+    attention, norm = model.model.layers[0].attention, model.model.layers[0].attn_input_norm
+    ids = torch.randint(0, VOCAB, (2, 2 * segment), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
+        (weights,) = out.attentions
+        heads, d_head = attention.num_heads, attention.head_dim
+        assert weights.shape == (2, heads, 2 * segment, c_mem_len + mem_len + segment)
+
+        normed = norm(model.model.embed_tokens(ids))  # [batch, seq, hidden]
+        q = attention.q_proj(normed).view(2, -1, heads, d_head)
+        k = attention.kv_proj(normed)[..., : attention.num_heads * d_head].view(2, -1, heads, d_head)
+        hidden = model.config.hidden_size
+        expected = torch.zeros_like(weights)
+        for t in range(2 * segment):
+            scores = []
+            for j in range(t + 1):
+                r = attention.r_proj(sinusoidal_embedding(torch.tensor([t - j]), hidden))[0].view(heads, d_head)
+                content = ((q[:, t] + attention.content_bias) * k[:, j]).sum(-1)  # [batch, heads]
+                position = ((q[:, t] + attention.position_bias) * r).sum(-1)
+                scores.append((content + position) / math.sqrt(d_head))
+            probs = torch.softmax(torch.stack(scores, dim=-1), dim=-1)  # [batch, heads, t + 1]
+            seg_start = t // segment * segment
+            for j in range(t + 1):
+                slot = c_mem_len + mem_len + (j - seg_start) if j >= seg_start else c_mem_len + mem_len - segment + j
+                expected[:, :, t, slot] = probs[..., j]
+    torch.testing.assert_close(weights, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_output_attentions_while_generating_and_with_compression():
+    model = tiny_model()
+    prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    config = model.config
+    width = config.c_mem_len + config.mem_len + config.segment_length
+    result = model.generate(
+        prompt, max_new_tokens=12, do_sample=False, output_attentions=True, return_dict_in_generate=True
+    )
+    assert len(result.attentions) == 12
+    assert result.attentions[0][0].shape == (2, config.num_attention_heads, 9, width)
+    assert result.attentions[-1][-1].shape == (2, config.num_attention_heads, 1, width)
+    last = result.attentions[-1][-1]
+    torch.testing.assert_close(last.sum(-1), torch.ones_like(last.sum(-1)))
+    assert last[..., : config.c_mem_len].sum() > 0  # 21 tokens seen: compressed memory is held and attended
+    assert torch.equal(result.sequences, model.generate(prompt, max_new_tokens=12, do_sample=False))
