@@ -149,3 +149,18 @@ def test_training_with_bf16_weights(implementation):
     torch.testing.assert_close(out.loss.float(), want, atol=0.05, rtol=0.02)
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all(), name
+
+
+def test_cached_decoding_step_is_one_graph_and_reads_nothing_back():
+    """A decoding step on a cache holding compressed memory, memory and an unfinished segment (issue: decoding at
+    GPU speed needs this before static shapes)."""
+    model = tiny_model().eval()
+    ids, mask = batch_of(2, length=21)
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).cache
+        step_ids, step_mask = ids[:, -1:], torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        counts = count_dispatched_ops(lambda: model(step_ids, attention_mask=step_mask, cache=cache, use_cache=True))
+        assert {name: counts[name] for name in HOST_READS} == dict.fromkeys(HOST_READS, 0)
+        cache = model(ids, attention_mask=mask, use_cache=True).cache  # the step above advanced the first one
+        explanation = torch._dynamo.explain(model)(step_ids, attention_mask=step_mask, cache=cache, use_cache=True)
+    assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
