@@ -76,6 +76,7 @@ def plot(figures, segment_length: int, path: Path, title: str) -> None:
         ax.set_title(f"layer {layer + 1}")
         ax.set_xlabel("tokens read")
         ax.set_ylim(0, 1)
+        ax.set_xlim(positions[0], positions[-1])
     axes[0][0].set_ylabel("attention mass")
     axes[0][-1].legend(loc="lower right", fontsize=8)
     fig.suptitle(title, fontsize=10)
@@ -99,7 +100,8 @@ def main(argv=None) -> list:
     if len(tokens) < 2:
         sys.exit("the text is too short: at least 2 tokens are needed")
     figures = attention_mass(model, torch.tensor([tokens]))
-    name = Path(args.model).name or str(args.model)
+    folder = Path(args.model)
+    name = folder.parent.name if folder.name == "model" and folder.parent.name else folder.name or str(folder)
     plot(figures, model.config.segment_length, Path(args.out), f"{name}: attention mass along {len(tokens)} tokens")
     print(f"wrote {args.out} ({len(figures)} segments, {len(figures[0])} layers)")
     if args.json:
