@@ -56,6 +56,9 @@ class SinkhornConfig(PreTrainedConfig):
         emb_dim: factorised embeddings (ALBERT): tokens and positions are embedded in `emb_dim` and projected to
             `hidden_size`; the language-model head projects back to `emb_dim` before the (tied) output embedding.
         max_position_embeddings (alias `max_seq_len`): number of learned absolute positions; longer inputs raise.
+        axial_position_embeddings: positions embedded axially, as sinkhorn-transformer does: position p gets
+            `per_bucket[p // bucket_size] + in_bucket[p % bucket_size]` (two tables of `ceil(max_position_embeddings
+            / bucket_size)` and `bucket_size` rows) instead of one learned row per position. Default False.
 
     Sinkhorn attention
         bucket_size: tokens per bucket. Inputs of any length are padded to a multiple internally (padding masked,
@@ -122,6 +125,21 @@ class SinkhornConfig(PreTrainedConfig):
             separate output layer). When tied and `initializer_range` is None, the shared matrix is initialised
             N(0, 1/embedding size) as an output layer (unit-variance logits at init) rather than N(0, 1).
 
+    Output layer options matching sinkhorn-transformer checkpoints (`scripts/convert_checkpoint.py` sets them)
+        lm_head_bias: the output layer has a bias. Default False.
+        norm_after_project_out: with factorised embeddings (`emb_dim` != `hidden_size`), the final LayerNorm acts
+            on the `emb_dim`-sized output of the projection back (as in the package) instead of on the hidden
+            states before it; `SinkhornModel` then returns un-normalised hidden states. Needs `emb_dim`.
+
+    Routing options matching sinkhorn-transformer checkpoints (default off)
+        weight_routed_keys: the keys of each chosen bucket are also multiplied by its routing weight (the package's
+            reordering matrix scales keys and values). Needs `weight_routed_values`.
+        sequential_routing_weights: the weight of the i-th chosen bucket is a softmax over the candidates not
+            chosen before it (the package's iterative top-k), instead of the softmax over all candidates. Needs
+            `non_permutative=True`.
+        route_own_bucket: non-causal only: a query bucket's own bucket is also a routing candidate (with SortCut:
+            stays in the shared choice), so it can be attended twice, as in the package; default False excludes it.
+
     Misc: layer_norm_eps, pad/bos/eos_token_id, use_cache (generation cache; causal models only, and by default not
     in training mode).
     """
@@ -146,6 +164,7 @@ class SinkhornConfig(PreTrainedConfig):
     ff_glu: bool = False
     emb_dim: int | None = None
     max_position_embeddings: int = 2048
+    axial_position_embeddings: bool = False
     bucket_size: int = 64
     causal: bool = False
     n_top_buckets: int = 2
@@ -176,6 +195,11 @@ class SinkhornConfig(PreTrainedConfig):
     initializer_range: float | None = None
     use_cache: bool = True
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = False
+    norm_after_project_out: bool = False
+    weight_routed_keys: bool = False
+    sequential_routing_weights: bool = False
+    route_own_bucket: bool = False
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -295,6 +319,20 @@ class SinkhornConfig(PreTrainedConfig):
         if self.pkm_topk > self.pkm_num_keys:
             raise ValueError(
                 f"SinkhornConfig: pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys})"
+            )
+        if self.norm_after_project_out and self.embedding_size == self.hidden_size:
+            raise ValueError(
+                "SinkhornConfig: norm_after_project_out=True needs emb_dim different from hidden_size "
+                "(factorised embeddings); without them there is no output projection"
+            )
+        if self.weight_routed_keys and not self.weight_routed_values:
+            raise ValueError("SinkhornConfig: weight_routed_keys=True needs weight_routed_values=True")
+        if self.sequential_routing_weights and not self.non_permutative:
+            raise ValueError("SinkhornConfig: sequential_routing_weights=True needs non_permutative=True")
+        if self.route_own_bucket and self.causal:
+            raise ValueError(
+                "SinkhornConfig: route_own_bucket=True needs causal=False (a causal query bucket chooses among "
+                "strictly earlier buckets)"
             )
         if self.ff_chunks > 1 and self.ff_chunks > self.max_position_embeddings:
             raise ValueError("SinkhornConfig: ff_chunks must not exceed max_position_embeddings")

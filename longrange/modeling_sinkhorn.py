@@ -66,6 +66,7 @@ def select_buckets(
     sinkhorn_iter: int | None = None,
     gumbel: bool = False,
     weighted: bool = False,
+    sequential: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose `n_select` candidates per row.
 
@@ -75,6 +76,7 @@ def select_buckets(
     Returns indices [b, h, q, n_select], picked_valid (bool, same shape) and the straight-through scale (same
     shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass (None when
     gradients are off). `weighted`: the scale is the routing weight itself (forward and backward; never None).
+    `sequential` (top-k only): the i-th pick's weight is the softmax over the candidates not picked before it.
     """
     valid = valid.expand(scores.shape)
     logits = scores.masked_fill(~valid, _NEG)
@@ -91,13 +93,29 @@ def select_buckets(
             log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, _NEG)
         idx = log_weights.topk(n_select, dim=-1).indices
     picked_valid = valid.gather(-1, idx)
+    if sequential:
+        picked = _sequential_log_weights(logits / temperature, idx)
+    else:
+        picked = log_weights.gather(-1, idx)
     if weighted:
-        return idx, picked_valid, log_weights.gather(-1, idx).masked_fill(~picked_valid, 0.0).exp()
+        return idx, picked_valid, picked.masked_fill(~picked_valid, 0.0).exp()
     if not torch.is_grad_enabled():
         return idx, picked_valid, None  # the scale is exactly 1: only its gradient matters
-    picked = log_weights.gather(-1, idx).masked_fill(~picked_valid, 0.0)
+    picked = picked.masked_fill(~picked_valid, 0.0)
     scale = torch.exp(picked - picked.detach())
     return idx, picked_valid, scale
+
+
+def _sequential_log_weights(scaled: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Log-weight of each pick as a softmax over the candidates left after the earlier picks (sinkhorn-transformer's
+    iterative top-k). scaled: [..., c] scores / temperature; idx: [..., k] picks in order -> [..., k]."""
+    left = scaled
+    parts = []
+    for i in range(idx.shape[-1]):
+        pick = idx[..., i : i + 1]
+        parts.append(scaled.gather(-1, pick) - left.logsumexp(-1, keepdim=True))
+        left = left.scatter(-1, pick, float("-inf"))
+    return torch.cat(parts, dim=-1)
 
 
 def _batch_head_index(b: int, h: int, ndim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,9 +238,14 @@ class SinkhornHeads(nn.Module):
         dropout: float,
         implementation: str,
         weight_routed_values: bool = False,
+        weight_routed_keys: bool = False,
+        sequential_weights: bool = False,
+        route_own_bucket: bool = False,
     ):
         super().__init__()
         self.weight_routed_values = weight_routed_values
+        self.weight_routed_keys, self.sequential_weights = weight_routed_keys, sequential_weights
+        self.route_own_bucket = route_own_bucket
         self.num_heads, self.head_dim = num_heads, head_dim
         self.bucket_size, self.kv_bucket_size = bucket_size, kv_bucket_size
         self.n_top, self.n_sortcut, self.include_own = n_top, n_sortcut, include_own
@@ -261,22 +284,32 @@ class SinkhornHeads(nn.Module):
                 sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
                 scores = sq @ sk.transpose(-1, -2) * d**-0.5  # [b, h, nq, nk]
             valid = k_valid
-            if self.include_own:
+            exclude_own = self.include_own and not self.route_own_bucket
+            if exclude_own:
                 valid = valid & (own[:, None] != torch.arange(nk, device=q.device))[None, None]
-            n_sel = min(self.n_top, nk - 1 if self.include_own else nk)
+            n_sel = min(self.n_top, nk - 1 if exclude_own else nk)
 
         keys_parts, value_parts, mask_parts = [], [], []
         if n_sel > 0:
             idx, picked_valid, scale = select_buckets(
-                scores, valid, n_sel, self.temperature, self.sinkhorn_iter, self.training, self.weight_routed_values
+                scores,
+                valid,
+                n_sel,
+                self.temperature,
+                self.sinkhorn_iter,
+                self.training,
+                self.weight_routed_values,
+                self.sequential_weights,
             )  # [b, h, 1 or nq, n_sel]
             bi, hi = _batch_head_index(b, h, 4, q.device)
             routed_k = bk[bi, hi, idx]  # [b, h, 1 or nq, n_sel, Bk, d]
             routed_v = bv[bi, hi, idx]
             if scale is not None:
                 routed_v = routed_v * scale[..., None, None].to(v.dtype)
+                if self.weight_routed_keys:
+                    routed_k = routed_k * scale[..., None, None].to(k.dtype)
             routed_m = bkm[bi, idx] & picked_valid[..., None]  # [b, h, 1 or nq, n_sel, Bk]
-            if self.n_sortcut > 0 and self.include_own:
+            if self.n_sortcut > 0 and self.include_own and not self.route_own_bucket:
                 # a query bucket already attends its own bucket: drop it from the shared choice
                 routed_m = routed_m & (idx[..., None] != own[None, None, :, None, None])
             rows = idx.shape[2]  # 1 with SortCut (shared by every query bucket), else nq
@@ -322,9 +355,12 @@ class CausalSinkhornHeads(nn.Module):
         cross: bool = False,
         kv_bucket_size: int | None = None,
         weight_routed_values: bool = False,
+        weight_routed_keys: bool = False,
+        sequential_weights: bool = False,
     ):
         super().__init__()
         self.weight_routed_values = weight_routed_values
+        self.weight_routed_keys, self.sequential_weights = weight_routed_keys, sequential_weights
         self.num_heads, self.head_dim, self.bucket_size = num_heads, head_dim, bucket_size
         self.kv_bucket_size = kv_bucket_size or bucket_size
         self.n_top, self.offset, self.cross = n_top, offset, cross
@@ -389,13 +425,21 @@ class CausalSinkhornHeads(nn.Module):
             bank_m = torch.cat([null_m, key_mask.view(b, n, size)], dim=1)  # [b, n_null + n, B]
 
         idx, picked_valid, scale = select_buckets(
-            scores, valid, n_sel, self.temperature, weighted=self.weight_routed_values
+            scores,
+            valid,
+            n_sel,
+            self.temperature,
+            weighted=self.weight_routed_values,
+            sequential=self.sequential_weights,
         )  # [b, h, n, n_sel]
         bi, hi = _batch_head_index(b, h, 4, q.device)
-        routed_k = bank_k[bi, hi, idx].reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
+        routed_k = bank_k[bi, hi, idx]  # [b, h, n, n_sel, B, d]
         routed_v = bank_v[bi, hi, idx]
         if scale is not None:
             routed_v = routed_v * scale[..., None, None].to(v.dtype)
+            if self.weight_routed_keys:
+                routed_k = routed_k * scale[..., None, None].to(k.dtype)
+        routed_k = routed_k.reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
         routed_v = routed_v.reshape(b, h, n, -1, d)
         routed_m = (bank_m[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
         p = self.dropout if self.training else 0.0
@@ -458,7 +502,12 @@ class CausalSinkhornHeads(nn.Module):
             )[:, None, None, :]
             n_sel = self.n_top
         idx, picked_valid, weight = select_buckets(
-            scores, valid, n_sel, self.temperature, weighted=self.weight_routed_values
+            scores,
+            valid,
+            n_sel,
+            self.temperature,
+            weighted=self.weight_routed_values,
+            sequential=self.sequential_weights,
         )
         state["route"], state["route_valid"] = idx[:, :, 0], picked_valid[:, :, 0]  # [b, h, n_sel]
         # the routed values' weights (weight_routed_values), applied where the chosen buckets are gathered
@@ -510,6 +559,8 @@ class CausalSinkhornHeads(nn.Module):
         routed_v = torch.where(is_null[..., None, None], null_v, values[bi, hi, pos_c])
         if state["route_weight"] is not None:
             routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
+            if self.weight_routed_keys:
+                routed_k = routed_k * state["route_weight"].to(routed_k.dtype)
         routed_m = torch.where(is_null[..., None], slot == 0, (pos >= 0) & cache_mask[bi, pos_c])
         routed_m = routed_m & choice_valid[..., None]
         routed = self.n_top * size
@@ -533,10 +584,13 @@ class CausalSinkhornHeads(nn.Module):
         if state.get("buffer_bucket") != u:  # the chosen context buckets change only at bucket boundaries
             choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
             bi, hi = _batch_head_index(b, h, 3, q.device)
-            state["k_buffer"] = ctx["bk"][bi, hi, choice].reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
-            routed_v = ctx["bv"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
+            routed_k = ctx["bk"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
+            routed_v = ctx["bv"][bi, hi, choice]
             if state["route_weight"] is not None:
                 routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
+                if self.weight_routed_keys:
+                    routed_k = routed_k * state["route_weight"].to(routed_k.dtype)
+            state["k_buffer"] = routed_k.reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
             state["v_buffer"] = routed_v.reshape(b, h, -1, d)
             state["m_buffer"] = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, -1)
             state["buffer_bucket"] = u
@@ -552,6 +606,14 @@ class CausalSinkhornHeads(nn.Module):
 def _implementation(config: SinkhornConfig) -> str:
     impl = getattr(config, "_attn_implementation", None)
     return impl if impl in ATTENTION_IMPLEMENTATIONS else "sdpa"
+
+
+def _routing_options(config: SinkhornConfig) -> dict:
+    return dict(
+        weight_routed_values=config.weight_routed_values,
+        weight_routed_keys=config.weight_routed_keys,
+        sequential_weights=config.sequential_routing_weights,
+    )
 
 
 class SinkhornSelfAttention(nn.Module):
@@ -590,7 +652,7 @@ class SinkhornSelfAttention(nn.Module):
                         config.sort_temperature,
                         config.attn_dropout,
                         impl,
-                        weight_routed_values=config.weight_routed_values,
+                        **_routing_options(config),
                     ),
                     count,
                 )
@@ -611,7 +673,8 @@ class SinkhornSelfAttention(nn.Module):
                     config.sort_temperature,
                     config.attn_dropout,
                     impl,
-                    weight_routed_values=config.weight_routed_values,
+                    route_own_bucket=config.route_own_bucket,
+                    **_routing_options(config),
                 ),
                 n_sink,
             )
@@ -679,7 +742,7 @@ class SinkhornCrossAttention(nn.Module):
                 impl,
                 cross=True,
                 kv_bucket_size=config.context_bucket,
-                weight_routed_values=config.weight_routed_values,
+                **_routing_options(config),
             )
         else:
             self.heads = SinkhornHeads(
@@ -697,7 +760,7 @@ class SinkhornCrossAttention(nn.Module):
                 config.sort_temperature,
                 config.attn_dropout,
                 impl,
-                weight_routed_values=config.weight_routed_values,
+                **_routing_options(config),
             )
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -1047,6 +1110,19 @@ class _ConfigView:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class AxialPositionEmbedding(nn.Module):
+    """Axial positions (`axial_position_embeddings`): position p -> per_bucket[p // B] + in_bucket[p % B]."""
+
+    def __init__(self, max_positions: int, bucket_size: int, dim: int):
+        super().__init__()
+        self.bucket_size = bucket_size
+        self.per_bucket = nn.Parameter(torch.empty(math.ceil(max_positions / bucket_size), dim))
+        self.in_bucket = nn.Parameter(torch.empty(bucket_size, dim))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.per_bucket[position_ids // self.bucket_size] + self.in_bucket[position_ids % self.bucket_size]
+
+
 class SinkhornPreTrainedModel(PreTrainedModel):
     config_class = SinkhornConfig
     base_model_prefix = "model"
@@ -1063,6 +1139,8 @@ class SinkhornPreTrainedModel(PreTrainedModel):
         if isinstance(module, nn.Linear):
             if config.tie_word_embeddings and module is getattr(self, "lm_head", None):
                 init.normal_(module.weight, mean=0.0, std=tied_std if std is None else std)
+                if module.bias is not None:
+                    init.zeros_(module.bias)
             elif std is None:
                 # PyTorch's default for nn.Linear (the reference's init): U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the
                 # weight (kaiming-uniform with a = sqrt(5)) and the bias
@@ -1084,6 +1162,11 @@ class SinkhornPreTrainedModel(PreTrainedModel):
                 # PyTorch's default for nn.Embedding (the reference's token and positional embeddings): N(0, 1), so
                 # that tokens and positions start far apart in the residual stream
                 init.normal_(module.weight, mean=0.0, std=1.0)
+        elif isinstance(module, AxialPositionEmbedding):
+            # as the position nn.Embedding below: N(0, 1) (the reference's axial tables), tied-head scale, or std
+            pos_std = std if std is not None else (tied_std if config.tie_word_embeddings else 1.0)
+            init.normal_(module.per_bucket, mean=0.0, std=pos_std)
+            init.normal_(module.in_bucket, mean=0.0, std=pos_std)
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
@@ -1119,7 +1202,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
         config.validate_sinkhorn()
         emb = config.embedding_size
         self.embed_tokens = nn.Embedding(config.vocab_size, emb)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings, emb)
+        if config.axial_position_embeddings:
+            self.embed_positions = AxialPositionEmbedding(config.max_position_embeddings, config.bucket_size, emb)
+        else:
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, emb)
         self.emb_dropout = nn.Dropout(config.emb_dropout)
         self.project_in = nn.Linear(emb, config.hidden_size) if emb != config.hidden_size else None
         pkm = set(config.pkm_layers)
@@ -1132,7 +1218,12 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 [SinkhornLayer(config, use_pkm=i + 1 in pkm) for i in range(config.num_hidden_layers)]
             )
             self.pkm_blocks = None
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        # norm_after_project_out: the language model normalises after its projection back to emb_dim instead
+        self.norm = (
+            nn.Identity()
+            if config.norm_after_project_out
+            else nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        )
         # the reversible stack only references the blocks above (kept out of the module tree, so parameter names are
         # the same with and without `reversible`)
         self._reversible = (ReversibleSequence(self._stack_blocks()),) if config.reversible else None
@@ -1347,7 +1438,8 @@ class _SinkhornLanguageModel(SinkhornPreTrainedModel):
         self.model = SinkhornModel(config)
         emb = config.embedding_size
         self.project_out = nn.Linear(config.hidden_size, emb) if emb != config.hidden_size else None
-        self.lm_head = nn.Linear(emb, config.vocab_size, bias=False)
+        self.norm_out = nn.LayerNorm(emb, eps=config.layer_norm_eps) if config.norm_after_project_out else None
+        self.lm_head = nn.Linear(emb, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def get_output_embeddings(self):
@@ -1359,6 +1451,8 @@ class _SinkhornLanguageModel(SinkhornPreTrainedModel):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.project_out is not None:
             hidden = self.project_out(hidden)
+        if self.norm_out is not None:
+            hidden = self.norm_out(hidden)
         return self.lm_head(hidden)  # [batch, seq, vocab]
 
 
