@@ -139,6 +139,16 @@ class SinkhornConfig(PreTrainedConfig):
             `non_permutative=True`.
         route_own_bucket: non-causal only: a query bucket's own bucket is also a routing candidate (with SortCut:
             stays in the shared choice), so it can be attended twice, as in the package; default False excludes it.
+        causal_key_summary: causal self-attention: how a key bucket is summarised for routing. "mean" (default):
+            the mean of its keys; "running_mean_sum" (the package): the sum over its tokens of the running mean of
+            all keys up to each token.
+        causal_null_score: causal self-attention: routing score of a null bucket. "learned" (default): the query
+            summary times the null bucket's learned key; "zero" (the package): 0.
+        null_bucket_copies: causal self-attention: every slot of a null bucket holds its learned key/value
+            (`bucket_size` copies, as in the package) instead of one slot (default False).
+        shifted_heads_skip_first_bucket: causal self-attention: the short first bucket of the shifted heads (tokens
+            0 .. bucket_size-2) attends no chosen bucket, enters no routing summary and is never chosen, as in the
+            package (whose rotation wraps those tokens to the end). Default False: it routes to null buckets.
 
     Misc: layer_norm_eps, pad/bos/eos_token_id, use_cache (generation cache; causal models only, and by default not
     in training mode).
@@ -200,6 +210,10 @@ class SinkhornConfig(PreTrainedConfig):
     weight_routed_keys: bool = False
     sequential_routing_weights: bool = False
     route_own_bucket: bool = False
+    causal_key_summary: str = "mean"
+    causal_null_score: str = "learned"
+    null_bucket_copies: bool = False
+    shifted_heads_skip_first_bucket: bool = False
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -329,6 +343,21 @@ class SinkhornConfig(PreTrainedConfig):
             raise ValueError("SinkhornConfig: weight_routed_keys=True needs weight_routed_values=True")
         if self.sequential_routing_weights and not self.non_permutative:
             raise ValueError("SinkhornConfig: sequential_routing_weights=True needs non_permutative=True")
+        for name, allowed in (
+            ("causal_key_summary", ("mean", "running_mean_sum")),
+            ("causal_null_score", ("learned", "zero")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"SinkhornConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
+        reference_causal = (
+            "causal_key_summary",
+            "causal_null_score",
+            "null_bucket_copies",
+            "shifted_heads_skip_first_bucket",
+        )
+        changed = [n for n in reference_causal if getattr(self, n) != type(self).__dataclass_fields__[n].default]
+        if changed and not self.causal:
+            raise ValueError(f"SinkhornConfig: {changed} apply to causal self-attention only; set causal=True")
         if self.route_own_bucket and self.causal:
             raise ValueError(
                 "SinkhornConfig: route_own_bucket=True needs causal=False (a causal query bucket chooses among "

@@ -135,6 +135,10 @@ def config_from_reference(kwargs: Mapping) -> SinkhornConfig:
         weight_routed_keys=True,
         sequential_routing_weights=True,
         route_own_bucket=not causal,
+        causal_key_summary="running_mean_sum" if causal else "mean",
+        causal_null_score="zero" if causal else "learned",
+        null_bucket_copies=causal,
+        shifted_heads_skip_first_bucket=causal,
         n_local_attn_heads=kw["n_local_attn_heads"],
         reversible=kw["reversible"],
         ff_chunks=kw["ff_chunks"],
@@ -223,6 +227,9 @@ def convert_state_dict(checkpoint: Mapping, kwargs: Mapping) -> tuple[SinkhornCo
         for part in ("weight", "bias"):
             out[f"model.project_in.{part}"] = take(f"{stack}project_in.{part}")
             out[f"project_out.{part}"] = take(f"{stack}project_out.{part}")
+        if kw["reversible"]:
+            # the reference's reversible stack returns the sum of its two streams, ours their mean
+            out["project_out.weight"] = 2 * out["project_out.weight"]
         stack += "fn."
         norm = "norm_out"
     else:

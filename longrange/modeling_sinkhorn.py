@@ -81,7 +81,8 @@ def select_buckets(
     valid = valid.expand(scores.shape)
     logits = scores.masked_fill(~valid, _NEG)
     if sinkhorn_iter is None:
-        idx = logits.topk(n_select, dim=-1).indices
+        # ties (e.g. null buckets scored alike) go to the lowest index, the same in the full and the cached pass
+        idx = logits.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
         log_weights = (logits / temperature).log_softmax(dim=-1)
     else:
         if gumbel:
@@ -357,10 +358,18 @@ class CausalSinkhornHeads(nn.Module):
         weight_routed_values: bool = False,
         weight_routed_keys: bool = False,
         sequential_weights: bool = False,
+        key_summary: str = "mean",
+        null_score: str = "learned",
+        null_copies: bool = False,
+        skip_first_bucket: bool = False,
     ):
         super().__init__()
         self.weight_routed_values = weight_routed_values
         self.weight_routed_keys, self.sequential_weights = weight_routed_keys, sequential_weights
+        # self-attention routing variants (see SinkhornConfig: causal_key_summary, causal_null_score,
+        # null_bucket_copies, shifted_heads_skip_first_bucket)
+        self.running_key_summary, self.zero_null_score = key_summary == "running_mean_sum", null_score == "zero"
+        self.null_copies, self.skip_first = null_copies, skip_first_bucket and offset > 0
         self.num_heads, self.head_dim, self.bucket_size = num_heads, head_dim, bucket_size
         self.kv_bucket_size = kv_bucket_size or bucket_size
         self.n_top, self.offset, self.cross = n_top, offset, cross
@@ -384,12 +393,13 @@ class CausalSinkhornHeads(nn.Module):
         lq = q.shape[2]
         n = lq // size
         bq = q.reshape(b, h, n, size, d)
-        q_sums, _ = bucket_sums(q, mask, size)  # [b, h, n, d]
-        lead_q = bq[:, :, :, 0].float() * mask.view(b, 1, n, size)[..., 0, None]  # leading tokens [b, h, n, d]
+        # tokens that enter the routing summaries (skip_first: not the short first bucket of shifted heads)
+        counted = F.pad(mask[:, size:], (size, 0), value=False) if self.skip_first else mask
+        q_sums, _ = bucket_sums(q, counted, size)  # [b, h, n, d]
+        lead_q = bq[:, :, :, 0].float() * counted.view(b, 1, n, size)[..., 0, None]  # leading tokens [b, h, n, d]
         lead_sum = q_sums.cumsum(2) - q_sums + lead_q  # queries summed up to each leading token (inclusive)
-        lead_count = (
-            mask.view(b, n, size).sum(-1).cumsum(-1) - mask.view(b, n, size).sum(-1) + mask.view(b, n, size)[..., 0]
-        )
+        per_bucket = counted.view(b, n, size)
+        lead_count = per_bucket.sum(-1).cumsum(-1) - per_bucket.sum(-1) + per_bucket[..., 0]
         sq = lead_sum / lead_count.clamp_min(1)[:, None, :, None]  # [b, h, n, d]
 
         if self.cross:
@@ -406,22 +416,35 @@ class CausalSinkhornHeads(nn.Module):
         else:
             key_mask = mask
             bk, bv = k.reshape(b, h, n, size, d), v.reshape(b, h, n, size, d)
-            k_sums, k_counts = bucket_sums(k, key_mask, size)
-            sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+            k_sums, k_counts = bucket_sums(k, counted, size)
+            if self.running_key_summary:
+                # each key bucket: the sum over its tokens of the running mean of all keys so far
+                c = counted.to(torch.float32)[:, None, :, None]  # [b, 1, L, 1]
+                running = (k.float() * c).cumsum(2) / c.cumsum(2).clamp_min(1)
+                k_sums = (running * c).view(b, h, n, size, d).sum(3)  # [b, h, n, d]
+                sk = k_sums
+            else:
+                sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
             n_null = self.n_top
-            null_scores = sq @ self.null_keys.float().transpose(-1, -2)[None]  # [b, h, n, n_null]
+            if self.zero_null_score:
+                null_scores = sq.new_zeros(b, h, n, n_null)
+            else:
+                null_scores = sq @ self.null_keys.float().transpose(-1, -2)[None]  # [b, h, n, n_null]
             scores = torch.cat([null_scores, sq @ sk.transpose(-1, -2)], dim=-1) * d**-0.5
             earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)  # key bucket j < query bucket u
             real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
             valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=q.device), real_valid], dim=-1)
+            if self.skip_first:  # the short first bucket attends no chosen bucket
+                valid = valid & (torch.arange(n, device=q.device) > 0)[None, None, :, None]
             n_sel = n_null
-            # candidate bank: null buckets (the learned key in slot 0, the rest masked) then the real buckets
-            null_k = F.pad(self.null_keys[:, :, None, :], (0, 0, 0, size - 1)).to(k.dtype).expand(b, -1, -1, -1, -1)
-            null_v = F.pad(self.null_values[:, :, None, :], (0, 0, 0, size - 1)).to(v.dtype).expand(b, -1, -1, -1, -1)
+            # candidate bank: null buckets (the learned key in slot 0, the rest masked; null_copies: in every slot)
+            # then the real buckets
+            null_k = self.null_keys[:, :, None, :].expand(-1, -1, size, -1).to(k.dtype).expand(b, -1, -1, -1, -1)
+            null_v = self.null_values[:, :, None, :].expand(-1, -1, size, -1).to(v.dtype).expand(b, -1, -1, -1, -1)
             bank_k = torch.cat([null_k, bk], dim=2)  # [b, h, n_null + n, B, d]
             bank_v = torch.cat([null_v, bv], dim=2)
             null_m = torch.zeros(b, n_null, size, dtype=torch.bool, device=q.device)
-            null_m[:, :, 0] = True
+            null_m[:, :, 0 if not self.null_copies else slice(None)] = True
             bank_m = torch.cat([null_m, key_mask.view(b, n, size)], dim=1)  # [b, n_null + n, B]
 
         idx, picked_valid, scale = select_buckets(
@@ -466,13 +489,16 @@ class CausalSinkhornHeads(nn.Module):
         if record is not None:
             record["offset"] = off
             record["q_sum"] = q_sums.sum(2)  # [b, h, d]
-            record["q_count"] = mask.sum(1).float()  # [b]
+            record["q_count"] = counted.sum(1).float()  # [b]
             record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
             record["route_valid"] = picked_valid
             record["route_weight"] = scale.detach() if self.weight_routed_values else None  # [b, h, n, n_sel]
             if not self.cross:
-                record["k_sum"] = k_sums  # [b, h, n, d]
+                record["k_sum"] = k_sums  # [b, h, n, d] (running_key_summary: the summaries themselves)
                 record["k_count"] = k_counts  # [b, n]
+                if self.running_key_summary:
+                    record["k_run_sum"] = (k.float() * counted[:, None, :, None]).sum(2)  # [b, h, d]
+                    record["k_run_count"] = counted.sum(1).float()  # [b]
         return out
 
     # -- one token with a cache --------------------------------------------------------------------------------
@@ -494,8 +520,13 @@ class CausalSinkhornHeads(nn.Module):
             n_sel = min(self.n_top, sk.shape[2])
         else:
             counts = state["k_count"][:, :u]  # [b, u]
-            sk = state["k_sum"][:, :, :u] / counts.clamp_min(1)[:, None, :, None]
-            null_scores = torch.einsum("bhd,hnd->bhn", sq, self.null_keys.float())
+            sk = state["k_sum"][:, :, :u]
+            if not self.running_key_summary:
+                sk = sk / counts.clamp_min(1)[:, None, :, None]
+            if self.zero_null_score:
+                null_scores = sq.new_zeros(q.shape[0], q.shape[1], self.n_top)
+            else:
+                null_scores = torch.einsum("bhd,hnd->bhn", sq, self.null_keys.float())
             scores = torch.cat([null_scores, torch.einsum("bhd,bhnd->bhn", sq, sk)], dim=-1)[:, :, None] * d**-0.5
             valid = torch.cat(
                 [torch.ones(q.shape[0], self.n_top, dtype=torch.bool, device=q.device), counts > 0], dim=-1
@@ -523,9 +554,15 @@ class CausalSinkhornHeads(nn.Module):
         size, off = self.bucket_size, self.offset
         real = cache_mask[:, position]
         u = (position + off) // size
-        state["k_sum"][:, :, u] += keys[:, :, position].float() * real[:, None, None]
-        state["k_count"][:, u] += real.float()
-        self.route_step(q, position, state, real)
+        counted = real & (u > 0) if self.skip_first else real  # tokens that enter the routing summaries
+        new_k = keys[:, :, position].float() * counted[:, None, None]
+        if self.running_key_summary:
+            state["k_run_sum"] = state["k_run_sum"] + new_k
+            state["k_run_count"] = state["k_run_count"] + counted.float()
+            new_k = state["k_run_sum"] / state["k_run_count"].clamp_min(1)[:, None, None] * counted[:, None, None]
+        state["k_sum"][:, :, u] += new_k
+        state["k_count"][:, u] += counted.float()
+        self.route_step(q, position, state, counted)
         start = max(u * size - off, 0)
         routed = self.n_top * size
         if state.get("buffer_bucket") != u:
@@ -561,7 +598,8 @@ class CausalSinkhornHeads(nn.Module):
             routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
             if self.weight_routed_keys:
                 routed_k = routed_k * state["route_weight"].to(routed_k.dtype)
-        routed_m = torch.where(is_null[..., None], slot == 0, (pos >= 0) & cache_mask[bi, pos_c])
+        null_slots = slot >= 0 if self.null_copies else slot == 0
+        routed_m = torch.where(is_null[..., None], null_slots, (pos >= 0) & cache_mask[bi, pos_c])
         routed_m = routed_m & choice_valid[..., None]
         routed = self.n_top * size
         total = routed + size
@@ -652,6 +690,10 @@ class SinkhornSelfAttention(nn.Module):
                         config.sort_temperature,
                         config.attn_dropout,
                         impl,
+                        key_summary=config.causal_key_summary,
+                        null_score=config.causal_null_score,
+                        null_copies=config.null_bucket_copies,
+                        skip_first_bucket=config.shifted_heads_skip_first_bucket,
                         **_routing_options(config),
                     ),
                     count,
@@ -936,6 +978,8 @@ class SinkhornLayerState:
                 state["route_weight"] = _weight_row(record["route_weight"], last_bucket)
                 state["k_sum"] = _grow(record["k_sum"].detach(), 2, self.owner.bucket_capacity)
                 state["k_count"] = _grow(record["k_count"], 1, self.owner.bucket_capacity)
+                if "k_run_sum" in record:
+                    state["k_run_sum"], state["k_run_count"] = record["k_run_sum"].detach(), record["k_run_count"]
             self.groups.append(state)
 
     def fill_cross(self, k, v, context_mask, record, kv_bucket):
