@@ -77,6 +77,8 @@ class SinkhornConfig(PreTrainedConfig):
             `non_permutative=False`, otherwise the temperature of the routing softmax whose straight-through
             gradient trains the sort net. The seed's name `temperature` is accepted as a constructor keyword only
             (as a config attribute, `generate()` would take it for the sampling temperature).
+        simple_sort_net_scores: routing logits of the simple sort net: "log_relu" (default, log(relu(W x)), the
+            log-scores the paper's Gumbel-Sinkhorn balancing takes) or "relu" (relu(W x), as the package's top-k).
         non_permutative: True = each query bucket takes its top-scoring key buckets independently (a key bucket
             may serve many query buckets); False = scores are balanced by Gumbel-Sinkhorn into a soft permutation
             first (Gumbel noise only in training). False needs `causal=False`.
@@ -103,6 +105,9 @@ class SinkhornConfig(PreTrainedConfig):
         pkm_layers: 1-based layer numbers whose feed-forward is replaced by a product-key memory.
         pkm_num_keys, pkm_topk, pkm_heads: product-key memory size (`pkm_num_keys ** 2` slots), slots read per
             head, query heads.
+        pkm_dim_key: width of each half of a product-key query (and of the sub-keys); default `hidden_size // 2`.
+        pkm_norm_halves: the query LayerNorm normalises each half-query separately (width `pkm_dim_key`, as the
+            product-key-memory package does) instead of each head's whole query (default False).
 
     Dropout
         emb_dropout: after the embeddings. ff_dropout: inside the feed-forward. attn_dropout: on attention
@@ -180,6 +185,7 @@ class SinkhornConfig(PreTrainedConfig):
     n_top_buckets: int = 2
     n_sortcut: int = 0
     use_simple_sort_net: bool = False
+    simple_sort_net_scores: str = "log_relu"
     sinkhorn_iter: int = 5
     sort_temperature: float = 0.75
     non_permutative: bool = True
@@ -196,6 +202,8 @@ class SinkhornConfig(PreTrainedConfig):
     pkm_num_keys: int = 128
     pkm_topk: int = 32
     pkm_heads: int = 4
+    pkm_dim_key: int | None = None
+    pkm_norm_halves: bool = False
     emb_dropout: float = 0.0
     ff_dropout: float = 0.0
     attn_dropout: float = 0.0
@@ -277,7 +285,7 @@ class SinkhornConfig(PreTrainedConfig):
             positive(name)
         for name in ("pkm_num_keys", "pkm_topk", "pkm_heads"):
             positive(name)
-        for name in ("dim_head", "intermediate_size", "emb_dim", "context_bucket_size"):
+        for name in ("dim_head", "intermediate_size", "emb_dim", "context_bucket_size", "pkm_dim_key"):
             if getattr(self, name) is not None:
                 positive(name)
         for name in ("n_sortcut", "context_n_sortcut", "n_local_attn_heads"):
@@ -346,9 +354,12 @@ class SinkhornConfig(PreTrainedConfig):
         for name, allowed in (
             ("causal_key_summary", ("mean", "running_mean_sum")),
             ("causal_null_score", ("learned", "zero")),
+            ("simple_sort_net_scores", ("log_relu", "relu")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SinkhornConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.simple_sort_net_scores != "log_relu" and not self.use_simple_sort_net:
+            raise ValueError("SinkhornConfig: simple_sort_net_scores applies to use_simple_sort_net=True only")
         reference_causal = (
             "causal_key_summary",
             "causal_null_score",

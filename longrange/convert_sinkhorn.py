@@ -89,18 +89,8 @@ def _refuse(kw: dict) -> None:
             "the reference's Gumbel-Sinkhorn path attends a soft mixture of all buckets and samples Gumbel noise "
             "even in eval mode (not a deterministic model); here Sinkhorn balancing only chooses buckets",
         )
-    if kw["use_simple_sort_net"]:
-        no(
-            "use_simple_sort_net=True",
-            "the reference's simple sort net scores relu(W x) and includes the own bucket; ours scores "
-            "log(relu(W x)) (and has no causal variant)",
-        )
-    if kw["pkm_layers"]:
-        no(
-            "pkm_layers",
-            "the reference's product-key memory normalises each half-query (dim_head 128) separately; ours "
-            "normalises each head's whole query (width hidden_size)",
-        )
+    if kw["use_simple_sort_net"] and kw["causal"]:
+        no("use_simple_sort_net=True with causal=True", "the causal simple sort net is not implemented here")
     if kw["max_seq_len"] < kw["bucket_size"]:
         no("max_seq_len < bucket_size", "the reference's axial position table would be empty")
 
@@ -129,7 +119,9 @@ def config_from_reference(kwargs: Mapping) -> SinkhornConfig:
         n_sortcut=kw["n_sortcut"],
         sinkhorn_iter=kw["sinkhorn_iter"],
         # the non-causal attention sort net takes its top-k at temperature 1 whatever `temperature` says
-        sort_temperature=kw["temperature"] if causal else 1.0,
+        sort_temperature=kw["temperature"] if causal or kw["use_simple_sort_net"] else 1.0,
+        use_simple_sort_net=bool(kw["use_simple_sort_net"]),
+        simple_sort_net_scores="relu" if kw["use_simple_sort_net"] else "log_relu",
         non_permutative=True,
         weight_routed_values=True,
         weight_routed_keys=True,
@@ -143,6 +135,13 @@ def config_from_reference(kwargs: Mapping) -> SinkhornConfig:
         reversible=kw["reversible"],
         ff_chunks=kw["ff_chunks"],
         weight_tie=kw["weight_tie"],
+        # the product-key memory of product_key_memory.PKM(dim, num_keys): 4 heads, top 32, half-queries of 128
+        pkm_layers=list(kw["pkm_layers"]),
+        pkm_num_keys=kw["pkm_num_keys"],
+        pkm_heads=4,
+        pkm_topk=32,
+        pkm_dim_key=128,
+        pkm_norm_halves=True,
         layer_dropout=kw["layer_dropout"],
         emb_dropout=kw["emb_dropout"],
         ff_dropout=kw["ff_dropout"],
@@ -162,26 +161,18 @@ def known_differences(kwargs: Mapping) -> list[str]:
     n_sink = kw["heads"] - kw["n_local_attn_heads"]
     if n_sink == 0:
         return out
+    if kw["use_simple_sort_net"] and kw["n_top_buckets"] > 1:
+        out.append(
+            "simple sort net: relu(W x) scores are often exactly 0; where such ties decide a pick beyond the first, "
+            "the reference follows torch.topk's unspecified order and the converted model the lowest bucket index"
+        )
     if not kw["causal"] and kw["n_sortcut"] == 0:
         out.append(
             "non-causal routing without SortCut: the reference attends the chosen buckets' keys in place of their "
             "values (its defect 1); the converted model uses the values"
         )
     if kw["causal"]:
-        out.append(
-            "causal routing: the reference scores key buckets by the sum of the keys' running means over the "
-            "bucket and null buckets by a constant 0; here key buckets are scored by their mean and null buckets "
-            "by their learned null key"
-        )
-        out.append(
-            "causal null buckets: the reference fills each of its n_top_buckets null buckets with bucket_size "
-            "copies of one learned key/value per head; here each null bucket is one learned key/value"
-        )
-        out.append(
-            "causal rotated heads: in the reference the first bucket_size - 1 tokens of the rotated half of the "
-            "heads attend no routed bucket, are left out of every routing summary and can never be chosen; here "
-            "they form a short first bucket that routes to null buckets like any other"
-        )
+        out.append("causal inputs shorter than n_top_buckets buckets: the reference then uses fewer null buckets")
     return out
 
 
@@ -244,50 +235,78 @@ def convert_state_dict(checkpoint: Mapping, kwargs: Mapping) -> tuple[SinkhornCo
         return f"{stack}layers.layers.{i}.0.", f"{stack}layers.layers.{i}.1."
 
     n_local, n_sink = config.n_local_attn_heads, config.num_attention_heads - config.n_local_attn_heads
-    depth = config.num_hidden_layers if not config.weight_tie else 1
-    for i in range(depth):
-        f, g = branches(i)
-        ours = f"model.layers.{i}."
+    pkm = set(config.pkm_layers)
+    ff_layers = [i for i in range(config.num_hidden_layers) if i + 1 not in pkm]
+
+    def attention(i: int, ours: str) -> None:
+        f = branches(i)[0]
         for part in ("weight", "bias"):
-            out[f"{ours}attention.norm.{part}"] = take(f"{f}norm.{part}")
-            out[f"{ours}feed_forward.norm.{part}"] = take(f"{g}norm.{part}")
-        attn = f"{ours}attention.attention."
-        out[f"{attn}to_q.weight"] = take(f"{f}fn.to_q.weight")
-        out[f"{attn}to_kv.weight"] = take(f"{f}fn.to_kv.weight")
-        out[f"{attn}to_out.weight"] = take(f"{f}fn.to_out.weight")
-        out[f"{attn}to_out.bias"] = take(f"{f}fn.to_out.bias")
-        if config.causal and n_sink > 0:
-            group = 1 if n_local > 0 else 0  # the local heads' group comes first
-            plain = n_sink // 2
-            for name in ("null_keys", "null_values"):
-                null = take(f"{f}fn.sinkhorn_attention.{name}")  # [sink heads, 1, d]
-                null = null.expand(-1, config.n_top_buckets, -1)
-                slices = [(0, plain), (plain, n_sink)] if plain > 0 else [(0, n_sink)]
-                for j, (s, e) in enumerate(slices):
-                    out[f"{attn}groups.{group + j}.{name}"] = null[s:e].clone()
-        elif config.causal:  # no Sinkhorn heads: the reference still keeps empty null tables
-            take(f"{f}fn.sinkhorn_attention.null_keys"), take(f"{f}fn.sinkhorn_attention.null_values")
+            out[f"{ours}norm.{part}"] = take(f"{f}norm.{part}")
+        attn = f"{ours}attention."
+        for name in ("to_q.weight", "to_kv.weight", "to_out.weight", "to_out.bias"):
+            out[attn + name] = take(f"{f}fn.{name}")
+        group = 1 if n_local > 0 else 0  # the local heads' group comes first
+        if not config.causal:
+            if config.use_simple_sort_net and n_sink > 0:
+                out[f"{attn}groups.{group}.sort_net"] = take(f"{f}fn.sinkhorn_attention.sort_net.linear")[0]
+            elif config.use_simple_sort_net:
+                take(f"{f}fn.sinkhorn_attention.sort_net.linear")
+            return
+        nulls = [take(f"{f}fn.sinkhorn_attention.{name}") for name in ("null_keys", "null_values")]  # [heads, 1, d]
+        if n_sink == 0:
+            return  # the reference keeps empty null tables
+        plain = n_sink // 2
+        slices = [(0, plain), (plain, n_sink)] if plain > 0 else [(0, n_sink)]
+        for name, null in zip(("null_keys", "null_values"), nulls):
+            null = null.expand(-1, config.n_top_buckets, -1)  # the reference's null buckets share one key/value
+            for j, (s, e) in enumerate(slices):
+                out[f"{attn}groups.{group + j}.{name}"] = null[s:e].clone()
+
+    def feed_forward(i: int, ours: str) -> None:
+        g = branches(i)[1]
+        for part in ("weight", "bias"):
+            out[f"{ours}norm.{part}"] = take(f"{g}norm.{part}")
+        if i + 1 in pkm:
+            heads, dim_key = config.pkm_heads, config.pkm_dim_key
+            # queries: the reference's rows are ordered (half, head, d), ours (head, half, d); keys likewise
+            queries = take(f"{g}fn.to_queries.weight").reshape(2, heads, dim_key, -1).transpose(0, 1)
+            out[f"{ours}net.to_queries.weight"] = queries.reshape(2 * heads * dim_key, -1)
+            out[f"{ours}net.keys"] = take(f"{g}fn.keys").transpose(1, 2).contiguous()  # [heads, half, keys, d]
+            out[f"{ours}net.values.weight"] = take(f"{g}fn.values.weight")
+            for part in ("weight", "bias"):
+                out[f"{ours}net.query_norm.{part}"] = take(f"{g}fn.norm.{part}")
+            return
         w1, b1 = take(f"{g}fn.fn.w1.weight"), take(f"{g}fn.fn.w1.bias")
         if config.ff_glu:
             # the reference gates with the second half (GELU on the first); ours applies GELU to the second half
             w1, b1 = torch.cat(w1.chunk(2)[::-1]), torch.cat(b1.chunk(2)[::-1])
-        out[f"{ours}feed_forward.net.up.weight"], out[f"{ours}feed_forward.net.up.bias"] = w1, b1
-        out[f"{ours}feed_forward.net.down.weight"] = take(f"{g}fn.fn.w2.weight")
-        out[f"{ours}feed_forward.net.down.bias"] = take(f"{g}fn.fn.w2.bias")
+        out[f"{ours}net.up.weight"], out[f"{ours}net.up.bias"] = w1, b1
+        out[f"{ours}net.down.weight"] = take(f"{g}fn.fn.w2.weight")
+        out[f"{ours}net.down.bias"] = take(f"{g}fn.fn.w2.bias")
 
-    if config.weight_tie:
-        # the reference shares attention and feed-forward but gives every layer its own pre-norms
-        for i in range(1, config.num_hidden_layers):
-            f, g = branches(i)
-            for branch, first in ((f, branches(0)[0]), (g, branches(0)[1])):
-                for name in [k for k in src if k.startswith(branch)]:
-                    other = first + name[len(branch) :]
-                    if other not in src or not torch.equal(src[name], src[other]):
-                        raise ValueError(
-                            f"cannot convert: weight_tie=True with per-layer weights that differ ('{name}'); "
-                            "weight_tie here shares the layer norms as well"
-                        )
-                    used.add(name)
+    if not config.weight_tie:
+        for i in range(config.num_hidden_layers):
+            attention(i, f"model.layers.{i}.attention.")
+            feed_forward(i, f"model.layers.{i}.feed_forward.")
+    else:
+        if not ff_layers:
+            raise ValueError("cannot convert: weight_tie=True with every layer in pkm_layers (no shared feed-forward)")
+        attention(0, "model.layers.0.attention.")
+        feed_forward(ff_layers[0], "model.layers.0.feed_forward.")
+        for i in sorted(pkm):
+            feed_forward(i - 1, f"model.pkm_blocks.{i}.")
+        # the reference shares attention and feed-forward but gives every layer its own pre-norms: they must agree
+        shared = [(branches(i)[0], branches(0)[0]) for i in range(1, config.num_hidden_layers)]
+        shared += [(branches(i)[1], branches(ff_layers[0])[1]) for i in ff_layers[1:]]
+        for branch, first in shared:
+            for name in [k for k in src if k.startswith(branch)]:
+                other = first + name[len(branch) :]
+                if other not in src or not torch.equal(src[name], src[other]):
+                    raise ValueError(
+                        f"cannot convert: weight_tie=True with per-layer weights that differ ('{name}'); "
+                        "weight_tie here shares the layer norms as well"
+                    )
+                used.add(name)
     unused = sorted(set(src) - used)
     if unused:
         raise ValueError(f"reference state dict has entries this conversion does not map: {unused[:8]}")

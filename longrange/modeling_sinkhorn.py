@@ -242,11 +242,13 @@ class SinkhornHeads(nn.Module):
         weight_routed_keys: bool = False,
         sequential_weights: bool = False,
         route_own_bucket: bool = False,
+        simple_scores: str = "log_relu",
     ):
         super().__init__()
         self.weight_routed_values = weight_routed_values
         self.weight_routed_keys, self.sequential_weights = weight_routed_keys, sequential_weights
         self.route_own_bucket = route_own_bucket
+        self.simple_scores = simple_scores
         self.num_heads, self.head_dim = num_heads, head_dim
         self.bucket_size, self.kv_bucket_size = bucket_size, kv_bucket_size
         self.n_top, self.n_sortcut, self.include_own = n_top, n_sortcut, include_own
@@ -277,9 +279,9 @@ class SinkhornHeads(nn.Module):
         else:
             if self.sort_net is not None:
                 feats = torch.cat([q_sums, k_sums], dim=-1)  # [b, h, n, 2d] (self-attention: nq == nk)
-                scores = torch.log(
-                    F.relu(torch.einsum("bhne,hem->bhnm", feats, self.sort_net.float()))[..., :nk] + 1e-6
-                )
+                scores = F.relu(torch.einsum("bhne,hem->bhnm", feats, self.sort_net.float()))[..., :nk]
+                if self.simple_scores == "log_relu":
+                    scores = torch.log(scores + 1e-6)
             else:
                 sq = q_sums / q_counts.clamp_min(1)[:, None, :, None]
                 sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
@@ -716,6 +718,7 @@ class SinkhornSelfAttention(nn.Module):
                     config.attn_dropout,
                     impl,
                     route_own_bucket=config.route_own_bucket,
+                    simple_scores=config.simple_sort_net_scores,
                     **_routing_options(config),
                 ),
                 n_sink,
@@ -867,7 +870,12 @@ class FeedForwardBlock(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         if use_pkm:
             self.net = ProductKeyMemory(
-                config.hidden_size, num_keys=config.pkm_num_keys, heads=config.pkm_heads, topk=config.pkm_topk
+                config.hidden_size,
+                num_keys=config.pkm_num_keys,
+                heads=config.pkm_heads,
+                topk=config.pkm_topk,
+                dim_key=config.pkm_dim_key,
+                norm_halves=config.pkm_norm_halves,
             )
         else:
             self.net = FeedForward(config.hidden_size, config.ff_size, config.ff_dropout, config.ff_glu)
