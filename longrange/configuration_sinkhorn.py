@@ -84,7 +84,7 @@ class SinkhornConfig(PreTrainedConfig):
             first (Gumbel noise only in training). False needs `causal=False`.
         weight_routed_values: True (default) = the values of each chosen bucket are multiplied by its routing
             weight (the routing softmax at `sort_temperature`, or the Gumbel-Sinkhorn matrix), forward and
-            backward, as the seed's reordering matrix does (the seed also scales the keys; here only the values).
+            backward, as the seed's reordering matrix does (the seed also scales the keys: `weight_routed_keys`).
             False = only the bucket *indices* come from the sort net and the chosen buckets are attended as they
             are (a straight-through weight, exactly 1 in the forward pass, trains the sort net). Tiny Shakespeare
             benchmark (6 x 256, 100 steps): 3.567 bits/char with True, 3.611 with False (package 3.597).

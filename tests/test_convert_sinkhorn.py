@@ -209,3 +209,11 @@ def test_config_mapping_names():
     assert (config.emb_dim, config.sort_temperature, config.max_position_embeddings) == (16, 0.5, 64)
     # non-causal attention sort net: the reference takes its top-k at temperature 1 whatever `temperature` is
     assert config_from_reference({**BASE, "temperature": 0.5}).sort_temperature == 1.0
+
+
+def test_short_causal_inputs_differ_only_below_n_top_buckets_buckets():
+    # the reference uses min(n_top_buckets, buckets) null buckets; here always n_top_buckets
+    ref, kwargs = reference(causal=True, n_top_buckets=3)
+    model = convert(ref.state_dict(), kwargs)
+    assert max_diff(ref, model, length=16) > 1e-3  # 2 buckets < 3
+    assert max_diff(ref, model, length=24) < ATOL  # 3 buckets
