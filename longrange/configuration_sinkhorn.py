@@ -56,6 +56,9 @@ class SinkhornConfig(PreTrainedConfig):
         emb_dim: factorised embeddings (ALBERT): tokens and positions are embedded in `emb_dim` and projected to
             `hidden_size`; the language-model head projects back to `emb_dim` before the (tied) output embedding.
         max_position_embeddings (alias `max_seq_len`): number of learned absolute positions; longer inputs raise.
+        axial_position_embeddings: positions embedded axially, as sinkhorn-transformer does: position p gets
+            `per_bucket[p // bucket_size] + in_bucket[p % bucket_size]` (two tables of `ceil(max_position_embeddings
+            / bucket_size)` and `bucket_size` rows) instead of one learned row per position. Default False.
 
     Sinkhorn attention
         bucket_size: tokens per bucket. Inputs of any length are padded to a multiple internally (padding masked,
@@ -74,12 +77,14 @@ class SinkhornConfig(PreTrainedConfig):
             `non_permutative=False`, otherwise the temperature of the routing softmax whose straight-through
             gradient trains the sort net. The seed's name `temperature` is accepted as a constructor keyword only
             (as a config attribute, `generate()` would take it for the sampling temperature).
+        simple_sort_net_scores: routing logits of the simple sort net: "log_relu" (default, log(relu(W x)), the
+            log-scores the paper's Gumbel-Sinkhorn balancing takes) or "relu" (relu(W x), as the package's top-k).
         non_permutative: True = each query bucket takes its top-scoring key buckets independently (a key bucket
             may serve many query buckets); False = scores are balanced by Gumbel-Sinkhorn into a soft permutation
             first (Gumbel noise only in training). False needs `causal=False`.
         weight_routed_values: True (default) = the values of each chosen bucket are multiplied by its routing
             weight (the routing softmax at `sort_temperature`, or the Gumbel-Sinkhorn matrix), forward and
-            backward, as the seed's reordering matrix does (the seed also scales the keys; here only the values).
+            backward, as the seed's reordering matrix does (the seed also scales the keys: `weight_routed_keys`).
             False = only the bucket *indices* come from the sort net and the chosen buckets are attended as they
             are (a straight-through weight, exactly 1 in the forward pass, trains the sort net). Tiny Shakespeare
             benchmark (6 x 256, 100 steps): 3.567 bits/char with True, 3.611 with False (package 3.597).
@@ -100,6 +105,9 @@ class SinkhornConfig(PreTrainedConfig):
         pkm_layers: 1-based layer numbers whose feed-forward is replaced by a product-key memory.
         pkm_num_keys, pkm_topk, pkm_heads: product-key memory size (`pkm_num_keys ** 2` slots), slots read per
             head, query heads.
+        pkm_dim_key: width of each half of a product-key query (and of the sub-keys); default `hidden_size // 2`.
+        pkm_norm_halves: the query LayerNorm normalises each half-query separately (width `pkm_dim_key`, as the
+            product-key-memory package does) instead of each head's whole query (default False).
 
     Dropout
         emb_dropout: after the embeddings. ff_dropout: inside the feed-forward. attn_dropout: on attention
@@ -121,6 +129,31 @@ class SinkhornConfig(PreTrainedConfig):
         tie_word_embeddings: the output layer shares the input token embedding. Default False (the package has a
             separate output layer). When tied and `initializer_range` is None, the shared matrix is initialised
             N(0, 1/embedding size) as an output layer (unit-variance logits at init) rather than N(0, 1).
+
+    Output layer options matching sinkhorn-transformer checkpoints (`scripts/convert_checkpoint.py` sets them)
+        lm_head_bias: the output layer has a bias. Default False.
+        norm_after_project_out: with factorised embeddings (`emb_dim` != `hidden_size`), the final LayerNorm acts
+            on the `emb_dim`-sized output of the projection back (as in the package) instead of on the hidden
+            states before it; `SinkhornModel` then returns un-normalised hidden states. Needs `emb_dim`.
+
+    Routing options matching sinkhorn-transformer checkpoints (default off)
+        weight_routed_keys: the keys of each chosen bucket are also multiplied by its routing weight (the package's
+            reordering matrix scales keys and values). Needs `weight_routed_values`.
+        sequential_routing_weights: the weight of the i-th chosen bucket is a softmax over the candidates not
+            chosen before it (the package's iterative top-k), instead of the softmax over all candidates. Needs
+            `non_permutative=True`.
+        route_own_bucket: non-causal only: a query bucket's own bucket is also a routing candidate (with SortCut:
+            stays in the shared choice), so it can be attended twice, as in the package; default False excludes it.
+        causal_key_summary: causal self-attention: how a key bucket is summarised for routing. "mean" (default):
+            the mean of its keys; "running_mean_sum" (the package): the sum over its tokens of the running mean of
+            all keys up to each token.
+        causal_null_score: causal self-attention: routing score of a null bucket. "learned" (default): the query
+            summary times the null bucket's learned key; "zero" (the package): 0.
+        null_bucket_copies: causal self-attention: every slot of a null bucket holds its learned key/value
+            (`bucket_size` copies, as in the package) instead of one slot (default False).
+        shifted_heads_skip_first_bucket: causal self-attention: the short first bucket of the shifted heads (tokens
+            0 .. bucket_size-2) attends no chosen bucket, enters no routing summary and is never chosen, as in the
+            package (whose rotation wraps those tokens to the end). Default False: it routes to null buckets.
 
     Misc: layer_norm_eps, pad/bos/eos_token_id, use_cache (generation cache; causal models only, and by default not
     in training mode).
@@ -146,11 +179,13 @@ class SinkhornConfig(PreTrainedConfig):
     ff_glu: bool = False
     emb_dim: int | None = None
     max_position_embeddings: int = 2048
+    axial_position_embeddings: bool = False
     bucket_size: int = 64
     causal: bool = False
     n_top_buckets: int = 2
     n_sortcut: int = 0
     use_simple_sort_net: bool = False
+    simple_sort_net_scores: str = "log_relu"
     sinkhorn_iter: int = 5
     sort_temperature: float = 0.75
     non_permutative: bool = True
@@ -167,6 +202,8 @@ class SinkhornConfig(PreTrainedConfig):
     pkm_num_keys: int = 128
     pkm_topk: int = 32
     pkm_heads: int = 4
+    pkm_dim_key: int | None = None
+    pkm_norm_halves: bool = False
     emb_dropout: float = 0.0
     ff_dropout: float = 0.0
     attn_dropout: float = 0.0
@@ -176,6 +213,15 @@ class SinkhornConfig(PreTrainedConfig):
     initializer_range: float | None = None
     use_cache: bool = True
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = False
+    norm_after_project_out: bool = False
+    weight_routed_keys: bool = False
+    sequential_routing_weights: bool = False
+    route_own_bucket: bool = False
+    causal_key_summary: str = "mean"
+    causal_null_score: str = "learned"
+    null_bucket_copies: bool = False
+    shifted_heads_skip_first_bucket: bool = False
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -239,7 +285,7 @@ class SinkhornConfig(PreTrainedConfig):
             positive(name)
         for name in ("pkm_num_keys", "pkm_topk", "pkm_heads"):
             positive(name)
-        for name in ("dim_head", "intermediate_size", "emb_dim", "context_bucket_size"):
+        for name in ("dim_head", "intermediate_size", "emb_dim", "context_bucket_size", "pkm_dim_key"):
             if getattr(self, name) is not None:
                 positive(name)
         for name in ("n_sortcut", "context_n_sortcut", "n_local_attn_heads"):
@@ -295,6 +341,38 @@ class SinkhornConfig(PreTrainedConfig):
         if self.pkm_topk > self.pkm_num_keys:
             raise ValueError(
                 f"SinkhornConfig: pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys})"
+            )
+        if self.norm_after_project_out and self.embedding_size == self.hidden_size:
+            raise ValueError(
+                "SinkhornConfig: norm_after_project_out=True needs emb_dim different from hidden_size "
+                "(factorised embeddings); without them there is no output projection"
+            )
+        if self.weight_routed_keys and not self.weight_routed_values:
+            raise ValueError("SinkhornConfig: weight_routed_keys=True needs weight_routed_values=True")
+        if self.sequential_routing_weights and not self.non_permutative:
+            raise ValueError("SinkhornConfig: sequential_routing_weights=True needs non_permutative=True")
+        for name, allowed in (
+            ("causal_key_summary", ("mean", "running_mean_sum")),
+            ("causal_null_score", ("learned", "zero")),
+            ("simple_sort_net_scores", ("log_relu", "relu")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"SinkhornConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.simple_sort_net_scores != "log_relu" and not self.use_simple_sort_net:
+            raise ValueError("SinkhornConfig: simple_sort_net_scores applies to use_simple_sort_net=True only")
+        reference_causal = (
+            "causal_key_summary",
+            "causal_null_score",
+            "null_bucket_copies",
+            "shifted_heads_skip_first_bucket",
+        )
+        changed = [n for n in reference_causal if getattr(self, n) != type(self).__dataclass_fields__[n].default]
+        if changed and not self.causal:
+            raise ValueError(f"SinkhornConfig: {changed} apply to causal self-attention only; set causal=True")
+        if self.route_own_bucket and self.causal:
+            raise ValueError(
+                "SinkhornConfig: route_own_bucket=True needs causal=False (a causal query bucket chooses among "
+                "strictly earlier buckets)"
             )
         if self.ff_chunks > 1 and self.ff_chunks > self.max_position_embeddings:
             raise ValueError("SinkhornConfig: ff_chunks must not exceed max_position_embeddings")

@@ -66,6 +66,7 @@ def select_buckets(
     sinkhorn_iter: int | None = None,
     gumbel: bool = False,
     weighted: bool = False,
+    sequential: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose `n_select` candidates per row.
 
@@ -75,11 +76,13 @@ def select_buckets(
     Returns indices [b, h, q, n_select], picked_valid (bool, same shape) and the straight-through scale (same
     shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass (None when
     gradients are off). `weighted`: the scale is the routing weight itself (forward and backward; never None).
+    `sequential` (top-k only): the i-th pick's weight is the softmax over the candidates not picked before it.
     """
     valid = valid.expand(scores.shape)
     logits = scores.masked_fill(~valid, _NEG)
     if sinkhorn_iter is None:
-        idx = logits.topk(n_select, dim=-1).indices
+        # ties (e.g. null buckets scored alike) go to the lowest index, the same in the full and the cached pass
+        idx = logits.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
         log_weights = (logits / temperature).log_softmax(dim=-1)
     else:
         if gumbel:
@@ -91,13 +94,29 @@ def select_buckets(
             log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, _NEG)
         idx = log_weights.topk(n_select, dim=-1).indices
     picked_valid = valid.gather(-1, idx)
+    if sequential:
+        picked = _sequential_log_weights(logits / temperature, idx)
+    else:
+        picked = log_weights.gather(-1, idx)
     if weighted:
-        return idx, picked_valid, log_weights.gather(-1, idx).masked_fill(~picked_valid, 0.0).exp()
+        return idx, picked_valid, picked.masked_fill(~picked_valid, 0.0).exp()
     if not torch.is_grad_enabled():
         return idx, picked_valid, None  # the scale is exactly 1: only its gradient matters
-    picked = log_weights.gather(-1, idx).masked_fill(~picked_valid, 0.0)
+    picked = picked.masked_fill(~picked_valid, 0.0)
     scale = torch.exp(picked - picked.detach())
     return idx, picked_valid, scale
+
+
+def _sequential_log_weights(scaled: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Log-weight of each pick as a softmax over the candidates left after the earlier picks (sinkhorn-transformer's
+    iterative top-k). scaled: [..., c] scores / temperature; idx: [..., k] picks in order -> [..., k]."""
+    left = scaled
+    parts = []
+    for i in range(idx.shape[-1]):
+        pick = idx[..., i : i + 1]
+        parts.append(scaled.gather(-1, pick) - left.logsumexp(-1, keepdim=True))
+        left = left.scatter(-1, pick, float("-inf"))
+    return torch.cat(parts, dim=-1)
 
 
 def _batch_head_index(b: int, h: int, ndim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,9 +239,16 @@ class SinkhornHeads(nn.Module):
         dropout: float,
         implementation: str,
         weight_routed_values: bool = False,
+        weight_routed_keys: bool = False,
+        sequential_weights: bool = False,
+        route_own_bucket: bool = False,
+        simple_scores: str = "log_relu",
     ):
         super().__init__()
         self.weight_routed_values = weight_routed_values
+        self.weight_routed_keys, self.sequential_weights = weight_routed_keys, sequential_weights
+        self.route_own_bucket = route_own_bucket
+        self.simple_scores = simple_scores
         self.num_heads, self.head_dim = num_heads, head_dim
         self.bucket_size, self.kv_bucket_size = bucket_size, kv_bucket_size
         self.n_top, self.n_sortcut, self.include_own = n_top, n_sortcut, include_own
@@ -253,30 +279,40 @@ class SinkhornHeads(nn.Module):
         else:
             if self.sort_net is not None:
                 feats = torch.cat([q_sums, k_sums], dim=-1)  # [b, h, n, 2d] (self-attention: nq == nk)
-                scores = torch.log(
-                    F.relu(torch.einsum("bhne,hem->bhnm", feats, self.sort_net.float()))[..., :nk] + 1e-6
-                )
+                scores = F.relu(torch.einsum("bhne,hem->bhnm", feats, self.sort_net.float()))[..., :nk]
+                if self.simple_scores == "log_relu":
+                    scores = torch.log(scores + 1e-6)
             else:
                 sq = q_sums / q_counts.clamp_min(1)[:, None, :, None]
                 sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
                 scores = sq @ sk.transpose(-1, -2) * d**-0.5  # [b, h, nq, nk]
             valid = k_valid
-            if self.include_own:
+            exclude_own = self.include_own and not self.route_own_bucket
+            if exclude_own:
                 valid = valid & (own[:, None] != torch.arange(nk, device=q.device))[None, None]
-            n_sel = min(self.n_top, nk - 1 if self.include_own else nk)
+            n_sel = min(self.n_top, nk - 1 if exclude_own else nk)
 
         keys_parts, value_parts, mask_parts = [], [], []
         if n_sel > 0:
             idx, picked_valid, scale = select_buckets(
-                scores, valid, n_sel, self.temperature, self.sinkhorn_iter, self.training, self.weight_routed_values
+                scores,
+                valid,
+                n_sel,
+                self.temperature,
+                self.sinkhorn_iter,
+                self.training,
+                self.weight_routed_values,
+                self.sequential_weights,
             )  # [b, h, 1 or nq, n_sel]
             bi, hi = _batch_head_index(b, h, 4, q.device)
             routed_k = bk[bi, hi, idx]  # [b, h, 1 or nq, n_sel, Bk, d]
             routed_v = bv[bi, hi, idx]
             if scale is not None:
                 routed_v = routed_v * scale[..., None, None].to(v.dtype)
+                if self.weight_routed_keys:
+                    routed_k = routed_k * scale[..., None, None].to(k.dtype)
             routed_m = bkm[bi, idx] & picked_valid[..., None]  # [b, h, 1 or nq, n_sel, Bk]
-            if self.n_sortcut > 0 and self.include_own:
+            if self.n_sortcut > 0 and self.include_own and not self.route_own_bucket:
                 # a query bucket already attends its own bucket: drop it from the shared choice
                 routed_m = routed_m & (idx[..., None] != own[None, None, :, None, None])
             rows = idx.shape[2]  # 1 with SortCut (shared by every query bucket), else nq
@@ -322,9 +358,20 @@ class CausalSinkhornHeads(nn.Module):
         cross: bool = False,
         kv_bucket_size: int | None = None,
         weight_routed_values: bool = False,
+        weight_routed_keys: bool = False,
+        sequential_weights: bool = False,
+        key_summary: str = "mean",
+        null_score: str = "learned",
+        null_copies: bool = False,
+        skip_first_bucket: bool = False,
     ):
         super().__init__()
         self.weight_routed_values = weight_routed_values
+        self.weight_routed_keys, self.sequential_weights = weight_routed_keys, sequential_weights
+        # self-attention routing variants (see SinkhornConfig: causal_key_summary, causal_null_score,
+        # null_bucket_copies, shifted_heads_skip_first_bucket)
+        self.running_key_summary, self.zero_null_score = key_summary == "running_mean_sum", null_score == "zero"
+        self.null_copies, self.skip_first = null_copies, skip_first_bucket and offset > 0
         self.num_heads, self.head_dim, self.bucket_size = num_heads, head_dim, bucket_size
         self.kv_bucket_size = kv_bucket_size or bucket_size
         self.n_top, self.offset, self.cross = n_top, offset, cross
@@ -348,12 +395,13 @@ class CausalSinkhornHeads(nn.Module):
         lq = q.shape[2]
         n = lq // size
         bq = q.reshape(b, h, n, size, d)
-        q_sums, _ = bucket_sums(q, mask, size)  # [b, h, n, d]
-        lead_q = bq[:, :, :, 0].float() * mask.view(b, 1, n, size)[..., 0, None]  # leading tokens [b, h, n, d]
+        # tokens that enter the routing summaries (skip_first: not the short first bucket of shifted heads)
+        counted = F.pad(mask[:, size:], (size, 0), value=False) if self.skip_first else mask
+        q_sums, _ = bucket_sums(q, counted, size)  # [b, h, n, d]
+        lead_q = bq[:, :, :, 0].float() * counted.view(b, 1, n, size)[..., 0, None]  # leading tokens [b, h, n, d]
         lead_sum = q_sums.cumsum(2) - q_sums + lead_q  # queries summed up to each leading token (inclusive)
-        lead_count = (
-            mask.view(b, n, size).sum(-1).cumsum(-1) - mask.view(b, n, size).sum(-1) + mask.view(b, n, size)[..., 0]
-        )
+        per_bucket = counted.view(b, n, size)
+        lead_count = per_bucket.sum(-1).cumsum(-1) - per_bucket.sum(-1) + per_bucket[..., 0]
         sq = lead_sum / lead_count.clamp_min(1)[:, None, :, None]  # [b, h, n, d]
 
         if self.cross:
@@ -370,32 +418,53 @@ class CausalSinkhornHeads(nn.Module):
         else:
             key_mask = mask
             bk, bv = k.reshape(b, h, n, size, d), v.reshape(b, h, n, size, d)
-            k_sums, k_counts = bucket_sums(k, key_mask, size)
-            sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+            k_sums, k_counts = bucket_sums(k, counted, size)
+            if self.running_key_summary:
+                # each key bucket: the sum over its tokens of the running mean of all keys so far
+                c = counted.to(torch.float32)[:, None, :, None]  # [b, 1, L, 1]
+                running = (k.float() * c).cumsum(2) / c.cumsum(2).clamp_min(1)
+                k_sums = (running * c).view(b, h, n, size, d).sum(3)  # [b, h, n, d]
+                sk = k_sums
+            else:
+                sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
             n_null = self.n_top
-            null_scores = sq @ self.null_keys.float().transpose(-1, -2)[None]  # [b, h, n, n_null]
+            if self.zero_null_score:
+                null_scores = sq.new_zeros(b, h, n, n_null)
+            else:
+                null_scores = sq @ self.null_keys.float().transpose(-1, -2)[None]  # [b, h, n, n_null]
             scores = torch.cat([null_scores, sq @ sk.transpose(-1, -2)], dim=-1) * d**-0.5
             earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)  # key bucket j < query bucket u
             real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
             valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=q.device), real_valid], dim=-1)
+            if self.skip_first:  # the short first bucket attends no chosen bucket
+                valid = valid & (torch.arange(n, device=q.device) > 0)[None, None, :, None]
             n_sel = n_null
-            # candidate bank: null buckets (the learned key in slot 0, the rest masked) then the real buckets
-            null_k = F.pad(self.null_keys[:, :, None, :], (0, 0, 0, size - 1)).to(k.dtype).expand(b, -1, -1, -1, -1)
-            null_v = F.pad(self.null_values[:, :, None, :], (0, 0, 0, size - 1)).to(v.dtype).expand(b, -1, -1, -1, -1)
+            # candidate bank: null buckets (the learned key in slot 0, the rest masked; null_copies: in every slot)
+            # then the real buckets
+            null_k = self.null_keys[:, :, None, :].expand(-1, -1, size, -1).to(k.dtype).expand(b, -1, -1, -1, -1)
+            null_v = self.null_values[:, :, None, :].expand(-1, -1, size, -1).to(v.dtype).expand(b, -1, -1, -1, -1)
             bank_k = torch.cat([null_k, bk], dim=2)  # [b, h, n_null + n, B, d]
             bank_v = torch.cat([null_v, bv], dim=2)
             null_m = torch.zeros(b, n_null, size, dtype=torch.bool, device=q.device)
-            null_m[:, :, 0] = True
+            null_m[:, :, 0 if not self.null_copies else slice(None)] = True
             bank_m = torch.cat([null_m, key_mask.view(b, n, size)], dim=1)  # [b, n_null + n, B]
 
         idx, picked_valid, scale = select_buckets(
-            scores, valid, n_sel, self.temperature, weighted=self.weight_routed_values
+            scores,
+            valid,
+            n_sel,
+            self.temperature,
+            weighted=self.weight_routed_values,
+            sequential=self.sequential_weights,
         )  # [b, h, n, n_sel]
         bi, hi = _batch_head_index(b, h, 4, q.device)
-        routed_k = bank_k[bi, hi, idx].reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
+        routed_k = bank_k[bi, hi, idx]  # [b, h, n, n_sel, B, d]
         routed_v = bank_v[bi, hi, idx]
         if scale is not None:
             routed_v = routed_v * scale[..., None, None].to(v.dtype)
+            if self.weight_routed_keys:
+                routed_k = routed_k * scale[..., None, None].to(k.dtype)
+        routed_k = routed_k.reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
         routed_v = routed_v.reshape(b, h, n, -1, d)
         routed_m = (bank_m[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
         p = self.dropout if self.training else 0.0
@@ -422,13 +491,16 @@ class CausalSinkhornHeads(nn.Module):
         if record is not None:
             record["offset"] = off
             record["q_sum"] = q_sums.sum(2)  # [b, h, d]
-            record["q_count"] = mask.sum(1).float()  # [b]
+            record["q_count"] = counted.sum(1).float()  # [b]
             record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
             record["route_valid"] = picked_valid
             record["route_weight"] = scale.detach() if self.weight_routed_values else None  # [b, h, n, n_sel]
             if not self.cross:
-                record["k_sum"] = k_sums  # [b, h, n, d]
+                record["k_sum"] = k_sums  # [b, h, n, d] (running_key_summary: the summaries themselves)
                 record["k_count"] = k_counts  # [b, n]
+                if self.running_key_summary:
+                    record["k_run_sum"] = (k.float() * counted[:, None, :, None]).sum(2)  # [b, h, d]
+                    record["k_run_count"] = counted.sum(1).float()  # [b]
         return out
 
     # -- one token with a cache --------------------------------------------------------------------------------
@@ -450,15 +522,25 @@ class CausalSinkhornHeads(nn.Module):
             n_sel = min(self.n_top, sk.shape[2])
         else:
             counts = state["k_count"][:, :u]  # [b, u]
-            sk = state["k_sum"][:, :, :u] / counts.clamp_min(1)[:, None, :, None]
-            null_scores = torch.einsum("bhd,hnd->bhn", sq, self.null_keys.float())
+            sk = state["k_sum"][:, :, :u]
+            if not self.running_key_summary:
+                sk = sk / counts.clamp_min(1)[:, None, :, None]
+            if self.zero_null_score:
+                null_scores = sq.new_zeros(q.shape[0], q.shape[1], self.n_top)
+            else:
+                null_scores = torch.einsum("bhd,hnd->bhn", sq, self.null_keys.float())
             scores = torch.cat([null_scores, torch.einsum("bhd,bhnd->bhn", sq, sk)], dim=-1)[:, :, None] * d**-0.5
             valid = torch.cat(
                 [torch.ones(q.shape[0], self.n_top, dtype=torch.bool, device=q.device), counts > 0], dim=-1
             )[:, None, None, :]
             n_sel = self.n_top
         idx, picked_valid, weight = select_buckets(
-            scores, valid, n_sel, self.temperature, weighted=self.weight_routed_values
+            scores,
+            valid,
+            n_sel,
+            self.temperature,
+            weighted=self.weight_routed_values,
+            sequential=self.sequential_weights,
         )
         state["route"], state["route_valid"] = idx[:, :, 0], picked_valid[:, :, 0]  # [b, h, n_sel]
         # the routed values' weights (weight_routed_values), applied where the chosen buckets are gathered
@@ -474,9 +556,15 @@ class CausalSinkhornHeads(nn.Module):
         size, off = self.bucket_size, self.offset
         real = cache_mask[:, position]
         u = (position + off) // size
-        state["k_sum"][:, :, u] += keys[:, :, position].float() * real[:, None, None]
-        state["k_count"][:, u] += real.float()
-        self.route_step(q, position, state, real)
+        counted = real & (u > 0) if self.skip_first else real  # tokens that enter the routing summaries
+        new_k = keys[:, :, position].float() * counted[:, None, None]
+        if self.running_key_summary:
+            state["k_run_sum"] = state["k_run_sum"] + new_k
+            state["k_run_count"] = state["k_run_count"] + counted.float()
+            new_k = state["k_run_sum"] / state["k_run_count"].clamp_min(1)[:, None, None] * counted[:, None, None]
+        state["k_sum"][:, :, u] += new_k
+        state["k_count"][:, u] += counted.float()
+        self.route_step(q, position, state, counted)
         start = max(u * size - off, 0)
         routed = self.n_top * size
         if state.get("buffer_bucket") != u:
@@ -510,7 +598,10 @@ class CausalSinkhornHeads(nn.Module):
         routed_v = torch.where(is_null[..., None, None], null_v, values[bi, hi, pos_c])
         if state["route_weight"] is not None:
             routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
-        routed_m = torch.where(is_null[..., None], slot == 0, (pos >= 0) & cache_mask[bi, pos_c])
+            if self.weight_routed_keys:
+                routed_k = routed_k * state["route_weight"].to(routed_k.dtype)
+        null_slots = slot >= 0 if self.null_copies else slot == 0
+        routed_m = torch.where(is_null[..., None], null_slots, (pos >= 0) & cache_mask[bi, pos_c])
         routed_m = routed_m & choice_valid[..., None]
         routed = self.n_top * size
         total = routed + size
@@ -533,10 +624,13 @@ class CausalSinkhornHeads(nn.Module):
         if state.get("buffer_bucket") != u:  # the chosen context buckets change only at bucket boundaries
             choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
             bi, hi = _batch_head_index(b, h, 3, q.device)
-            state["k_buffer"] = ctx["bk"][bi, hi, choice].reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
-            routed_v = ctx["bv"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
+            routed_k = ctx["bk"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
+            routed_v = ctx["bv"][bi, hi, choice]
             if state["route_weight"] is not None:
                 routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
+                if self.weight_routed_keys:
+                    routed_k = routed_k * state["route_weight"].to(routed_k.dtype)
+            state["k_buffer"] = routed_k.reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
             state["v_buffer"] = routed_v.reshape(b, h, -1, d)
             state["m_buffer"] = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, -1)
             state["buffer_bucket"] = u
@@ -552,6 +646,14 @@ class CausalSinkhornHeads(nn.Module):
 def _implementation(config: SinkhornConfig) -> str:
     impl = getattr(config, "_attn_implementation", None)
     return impl if impl in ATTENTION_IMPLEMENTATIONS else "sdpa"
+
+
+def _routing_options(config: SinkhornConfig) -> dict:
+    return dict(
+        weight_routed_values=config.weight_routed_values,
+        weight_routed_keys=config.weight_routed_keys,
+        sequential_weights=config.sequential_routing_weights,
+    )
 
 
 class SinkhornSelfAttention(nn.Module):
@@ -590,7 +692,11 @@ class SinkhornSelfAttention(nn.Module):
                         config.sort_temperature,
                         config.attn_dropout,
                         impl,
-                        weight_routed_values=config.weight_routed_values,
+                        key_summary=config.causal_key_summary,
+                        null_score=config.causal_null_score,
+                        null_copies=config.null_bucket_copies,
+                        skip_first_bucket=config.shifted_heads_skip_first_bucket,
+                        **_routing_options(config),
                     ),
                     count,
                 )
@@ -611,7 +717,9 @@ class SinkhornSelfAttention(nn.Module):
                     config.sort_temperature,
                     config.attn_dropout,
                     impl,
-                    weight_routed_values=config.weight_routed_values,
+                    route_own_bucket=config.route_own_bucket,
+                    simple_scores=config.simple_sort_net_scores,
+                    **_routing_options(config),
                 ),
                 n_sink,
             )
@@ -679,7 +787,7 @@ class SinkhornCrossAttention(nn.Module):
                 impl,
                 cross=True,
                 kv_bucket_size=config.context_bucket,
-                weight_routed_values=config.weight_routed_values,
+                **_routing_options(config),
             )
         else:
             self.heads = SinkhornHeads(
@@ -697,7 +805,7 @@ class SinkhornCrossAttention(nn.Module):
                 config.sort_temperature,
                 config.attn_dropout,
                 impl,
-                weight_routed_values=config.weight_routed_values,
+                **_routing_options(config),
             )
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -762,7 +870,12 @@ class FeedForwardBlock(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         if use_pkm:
             self.net = ProductKeyMemory(
-                config.hidden_size, num_keys=config.pkm_num_keys, heads=config.pkm_heads, topk=config.pkm_topk
+                config.hidden_size,
+                num_keys=config.pkm_num_keys,
+                heads=config.pkm_heads,
+                topk=config.pkm_topk,
+                dim_key=config.pkm_dim_key,
+                norm_halves=config.pkm_norm_halves,
             )
         else:
             self.net = FeedForward(config.hidden_size, config.ff_size, config.ff_dropout, config.ff_glu)
@@ -873,6 +986,8 @@ class SinkhornLayerState:
                 state["route_weight"] = _weight_row(record["route_weight"], last_bucket)
                 state["k_sum"] = _grow(record["k_sum"].detach(), 2, self.owner.bucket_capacity)
                 state["k_count"] = _grow(record["k_count"], 1, self.owner.bucket_capacity)
+                if "k_run_sum" in record:
+                    state["k_run_sum"], state["k_run_count"] = record["k_run_sum"].detach(), record["k_run_count"]
             self.groups.append(state)
 
     def fill_cross(self, k, v, context_mask, record, kv_bucket):
@@ -1047,6 +1162,19 @@ class _ConfigView:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class AxialPositionEmbedding(nn.Module):
+    """Axial positions (`axial_position_embeddings`): position p -> per_bucket[p // B] + in_bucket[p % B]."""
+
+    def __init__(self, max_positions: int, bucket_size: int, dim: int):
+        super().__init__()
+        self.bucket_size = bucket_size
+        self.per_bucket = nn.Parameter(torch.empty(math.ceil(max_positions / bucket_size), dim))
+        self.in_bucket = nn.Parameter(torch.empty(bucket_size, dim))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.per_bucket[position_ids // self.bucket_size] + self.in_bucket[position_ids % self.bucket_size]
+
+
 class SinkhornPreTrainedModel(PreTrainedModel):
     config_class = SinkhornConfig
     base_model_prefix = "model"
@@ -1063,6 +1191,8 @@ class SinkhornPreTrainedModel(PreTrainedModel):
         if isinstance(module, nn.Linear):
             if config.tie_word_embeddings and module is getattr(self, "lm_head", None):
                 init.normal_(module.weight, mean=0.0, std=tied_std if std is None else std)
+                if module.bias is not None:
+                    init.zeros_(module.bias)
             elif std is None:
                 # PyTorch's default for nn.Linear (the reference's init): U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the
                 # weight (kaiming-uniform with a = sqrt(5)) and the bias
@@ -1084,6 +1214,11 @@ class SinkhornPreTrainedModel(PreTrainedModel):
                 # PyTorch's default for nn.Embedding (the reference's token and positional embeddings): N(0, 1), so
                 # that tokens and positions start far apart in the residual stream
                 init.normal_(module.weight, mean=0.0, std=1.0)
+        elif isinstance(module, AxialPositionEmbedding):
+            # as the position nn.Embedding below: N(0, 1) (the reference's axial tables), tied-head scale, or std
+            pos_std = std if std is not None else (tied_std if config.tie_word_embeddings else 1.0)
+            init.normal_(module.per_bucket, mean=0.0, std=pos_std)
+            init.normal_(module.in_bucket, mean=0.0, std=pos_std)
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
@@ -1119,7 +1254,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
         config.validate_sinkhorn()
         emb = config.embedding_size
         self.embed_tokens = nn.Embedding(config.vocab_size, emb)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings, emb)
+        if config.axial_position_embeddings:
+            self.embed_positions = AxialPositionEmbedding(config.max_position_embeddings, config.bucket_size, emb)
+        else:
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, emb)
         self.emb_dropout = nn.Dropout(config.emb_dropout)
         self.project_in = nn.Linear(emb, config.hidden_size) if emb != config.hidden_size else None
         pkm = set(config.pkm_layers)
@@ -1132,7 +1270,12 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 [SinkhornLayer(config, use_pkm=i + 1 in pkm) for i in range(config.num_hidden_layers)]
             )
             self.pkm_blocks = None
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        # norm_after_project_out: the language model normalises after its projection back to emb_dim instead
+        self.norm = (
+            nn.Identity()
+            if config.norm_after_project_out
+            else nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        )
         # the reversible stack only references the blocks above (kept out of the module tree, so parameter names are
         # the same with and without `reversible`)
         self._reversible = (ReversibleSequence(self._stack_blocks()),) if config.reversible else None
@@ -1347,7 +1490,8 @@ class _SinkhornLanguageModel(SinkhornPreTrainedModel):
         self.model = SinkhornModel(config)
         emb = config.embedding_size
         self.project_out = nn.Linear(config.hidden_size, emb) if emb != config.hidden_size else None
-        self.lm_head = nn.Linear(emb, config.vocab_size, bias=False)
+        self.norm_out = nn.LayerNorm(emb, eps=config.layer_norm_eps) if config.norm_after_project_out else None
+        self.lm_head = nn.Linear(emb, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def get_output_embeddings(self):
@@ -1359,6 +1503,8 @@ class _SinkhornLanguageModel(SinkhornPreTrainedModel):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.project_out is not None:
             hidden = self.project_out(hidden)
+        if self.norm_out is not None:
+            hidden = self.norm_out(hidden)
         return self.lm_head(hidden)  # [batch, seq, vocab]
 
 

@@ -25,6 +25,7 @@ class ProductKeyMemory(nn.Module):
         input_dropout: float = 0.0,
         query_dropout: float = 0.0,
         value_dropout: float = 0.0,
+        norm_halves: bool = False,
     ):
         super().__init__()
         if topk > num_keys:
@@ -32,7 +33,9 @@ class ProductKeyMemory(nn.Module):
         self.heads, self.num_keys, self.topk = heads, num_keys, topk
         self.dim_key = dim_key or hidden_size // 2
         self.to_queries = nn.Linear(hidden_size, heads * 2 * self.dim_key, bias=False)
-        self.query_norm = nn.LayerNorm(2 * self.dim_key)  # applied to each head's query separately
+        # applied to each head's query separately (norm_halves: to each half of it, as product_key_memory does)
+        self.norm_halves = norm_halves
+        self.query_norm = nn.LayerNorm(self.dim_key if norm_halves else 2 * self.dim_key)
         self.keys = nn.Parameter(torch.empty(heads, 2, num_keys, self.dim_key))
         self.values = nn.EmbeddingBag(num_keys**2, hidden_size, mode="sum")
         self.input_dropout = nn.Dropout(input_dropout)
@@ -48,8 +51,8 @@ class ProductKeyMemory(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         x = self.input_dropout(hidden_states)
-        queries = self.to_queries(x).view(batch, seq, self.heads, 2 * self.dim_key)
-        queries = self.query_dropout(self.query_norm(queries))
+        shape = (self.heads, 2, self.dim_key) if self.norm_halves else (self.heads, 2 * self.dim_key)
+        queries = self.query_dropout(self.query_norm(self.to_queries(x).view(batch, seq, *shape)))
         queries = queries.view(batch, seq, self.heads, 2, self.dim_key)  # [b, n, h, half, d_key]
         scores = torch.einsum("bnhpd,hpkd->bnhpk", queries, self.keys.to(queries.dtype))  # [b, n, h, 2, K]
         top_scores, top_idx = scores.topk(self.topk, dim=-1)  # [b, n, h, 2, k]

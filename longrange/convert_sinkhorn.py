@@ -1,0 +1,328 @@
+"""Conversion of sinkhorn-transformer (0.11.x) `SinkhornTransformerLM` checkpoints into `longrange` models.
+
+Not needed to load a model (the modeling files never import it). Input: the reference model's state dict (or a
+checkpoint dict holding it, or the state dict of its `AutoregressiveWrapper` / `Autopadder`) and the keyword
+arguments its `SinkhornTransformerLM` was built with. Output: a [`SinkhornConfig`] and a state dict for
+[`SinkhornForCausalLM`] (`causal=True`) or [`SinkhornForMaskedLM`].
+
+The config reproduces the reference's modelling choices through options (axial positions, output-layer bias, the
+final norm after the projection back to `emb_dim`, routed keys weighted like the values, the reference's iterative
+top-k weights, the own bucket as a routing candidate, temperature 1 in the non-causal attention sort net, which
+ignores `temperature`). What the reference does differently and cannot be expressed is listed by
+[`known_differences`]; options with no counterpart at all raise `ValueError` naming the option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .configuration_sinkhorn import SinkhornConfig
+
+# SinkhornTransformerLM's keyword arguments and their defaults in sinkhorn-transformer 0.11.4
+REFERENCE_DEFAULTS = {
+    "heads": 8,
+    "dim_head": None,
+    "bucket_size": 64,
+    "kv_bucket_size": None,
+    "context_bucket_size": None,
+    "causal": False,
+    "non_permutative": True,
+    "sinkhorn_iter": 5,
+    "n_sortcut": 0,
+    "temperature": 0.75,
+    "reversible": False,
+    "ff_chunks": 1,
+    "ff_glu": False,
+    "return_embeddings": False,
+    "ff_dropout": 0.0,
+    "attn_dropout": 0.0,
+    "attn_layer_dropout": 0.0,
+    "layer_dropout": 0.0,
+    "emb_dropout": 0.0,
+    "weight_tie": False,
+    "emb_dim": None,
+    "use_simple_sort_net": None,
+    "receives_context": False,
+    "context_n_sortcut": 0,
+    "n_local_attn_heads": 0,
+    "use_rezero": False,
+    "n_top_buckets": 2,
+    "pkm_layers": (),
+    "pkm_num_keys": 128,
+}
+REQUIRED = ("num_tokens", "dim", "max_seq_len", "depth")
+
+
+def _full_kwargs(kwargs: Mapping) -> dict:
+    missing = [k for k in REQUIRED if k not in kwargs]
+    if missing:
+        raise ValueError(f"reference kwargs: missing required argument(s) {missing} of SinkhornTransformerLM")
+    unknown = sorted(set(kwargs) - set(REFERENCE_DEFAULTS) - set(REQUIRED))
+    if unknown:
+        raise ValueError(f"reference kwargs: unknown argument(s) {unknown} (not SinkhornTransformerLM 0.11.4 options)")
+    return {**REFERENCE_DEFAULTS, **kwargs}
+
+
+def _refuse(kw: dict) -> None:
+    """Raise for reference options that have no counterpart here."""
+
+    def no(option, why):
+        raise ValueError(f"cannot convert: {option} ({why})")
+
+    if kw["receives_context"]:
+        no(
+            "receives_context=True",
+            "the reference uses the raw context as keys and values of its context layers, with no projection and "
+            "per-layer context feed-forwards; our cross-attention projects the context",
+        )
+    if kw["use_rezero"]:
+        no("use_rezero=True", "ReZero residual gates instead of pre-LayerNorm are not implemented here")
+    if kw["return_embeddings"]:
+        no("return_embeddings=True", "the checkpoint has no output layer; convert a language model")
+    if kw["kv_bucket_size"] not in (None, kw["bucket_size"]):
+        no("kv_bucket_size != bucket_size", "self-attention here buckets keys like queries")
+    if not kw["non_permutative"]:
+        no(
+            "non_permutative=False",
+            "the reference's Gumbel-Sinkhorn path attends a soft mixture of all buckets and samples Gumbel noise "
+            "even in eval mode (not a deterministic model); here Sinkhorn balancing only chooses buckets",
+        )
+    if kw["use_simple_sort_net"] and kw["causal"]:
+        no("use_simple_sort_net=True with causal=True", "the causal simple sort net is not implemented here")
+    if kw["max_seq_len"] < kw["bucket_size"]:
+        no("max_seq_len < bucket_size", "the reference's axial position table would be empty")
+
+
+def config_from_reference(kwargs: Mapping) -> SinkhornConfig:
+    """A [`SinkhornConfig`] equivalent to `SinkhornTransformerLM(**kwargs)` (see the module docstring)."""
+    kw = _full_kwargs(kwargs)
+    _refuse(kw)
+    bucket, causal = kw["bucket_size"], bool(kw["causal"])
+    emb_dim = kw["emb_dim"] if kw["emb_dim"] not in (None, kw["dim"]) else None
+    return SinkhornConfig(
+        vocab_size=kw["num_tokens"],
+        hidden_size=kw["dim"],
+        num_hidden_layers=kw["depth"],
+        num_attention_heads=kw["heads"],
+        dim_head=kw["dim_head"],
+        intermediate_size=4 * kw["dim"],
+        ff_glu=kw["ff_glu"],
+        emb_dim=emb_dim,
+        # the reference's axial table has max_seq_len // bucket_size rows of bucket_size positions
+        max_position_embeddings=(kw["max_seq_len"] // bucket) * bucket,
+        axial_position_embeddings=True,
+        bucket_size=bucket,
+        causal=causal,
+        n_top_buckets=kw["n_top_buckets"],
+        n_sortcut=kw["n_sortcut"],
+        sinkhorn_iter=kw["sinkhorn_iter"],
+        # the non-causal attention sort net takes its top-k at temperature 1 whatever `temperature` says
+        sort_temperature=kw["temperature"] if causal or kw["use_simple_sort_net"] else 1.0,
+        use_simple_sort_net=bool(kw["use_simple_sort_net"]),
+        simple_sort_net_scores="relu" if kw["use_simple_sort_net"] else "log_relu",
+        non_permutative=True,
+        weight_routed_values=True,
+        weight_routed_keys=True,
+        sequential_routing_weights=True,
+        route_own_bucket=not causal,
+        causal_key_summary="running_mean_sum" if causal else "mean",
+        causal_null_score="zero" if causal else "learned",
+        null_bucket_copies=causal,
+        shifted_heads_skip_first_bucket=causal,
+        n_local_attn_heads=kw["n_local_attn_heads"],
+        reversible=kw["reversible"],
+        ff_chunks=kw["ff_chunks"],
+        weight_tie=kw["weight_tie"],
+        # the product-key memory of product_key_memory.PKM(dim, num_keys): 4 heads, top 32, half-queries of 128
+        pkm_layers=list(kw["pkm_layers"]),
+        pkm_num_keys=kw["pkm_num_keys"],
+        pkm_heads=4,
+        pkm_topk=32,
+        pkm_dim_key=128,
+        pkm_norm_halves=True,
+        layer_dropout=kw["layer_dropout"],
+        emb_dropout=kw["emb_dropout"],
+        ff_dropout=kw["ff_dropout"],
+        attn_dropout=kw["attn_dropout"],
+        attn_layer_dropout=kw["attn_layer_dropout"],
+        lm_head_bias=True,
+        norm_after_project_out=emb_dim is not None,
+        tie_word_embeddings=False,
+    )
+
+
+def known_differences(kwargs: Mapping) -> list[str]:
+    """What the converted model computes differently from the reference (empty: the same logits, within float
+    rounding, on inputs without padding whose length is a multiple of bucket_size)."""
+    kw = _full_kwargs(kwargs)
+    out = []
+    n_sink = kw["heads"] - kw["n_local_attn_heads"]
+    if n_sink == 0:
+        return out
+    if kw["use_simple_sort_net"] and kw["n_top_buckets"] > 1:
+        out.append(
+            "simple sort net: relu(W x) scores are often exactly 0; where such ties decide a pick beyond the first, "
+            "the reference follows torch.topk's unspecified order and the converted model the lowest bucket index"
+        )
+    if not kw["causal"] and kw["n_sortcut"] == 0:
+        out.append(
+            "non-causal routing without SortCut: the reference attends the chosen buckets' keys in place of their "
+            "values (its defect 1); the converted model uses the values"
+        )
+    if kw["causal"]:
+        out.append("causal inputs shorter than n_top_buckets buckets: the reference then uses fewer null buckets")
+    return out
+
+
+# -- state dict --------------------------------------------------------------------------------------------------
+
+
+def _unwrap(checkpoint: Mapping) -> dict:
+    """The model's own state dict from a checkpoint dict or a wrapper's state dict."""
+    sd = checkpoint
+    for key in ("state_dict", "model_state_dict", "model"):
+        if isinstance(sd, Mapping) and key in sd and isinstance(sd[key], Mapping):
+            sd = sd[key]
+            break
+    sd = {k.removeprefix("module."): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    while "to_token_emb.weight" not in sd and any(k.startswith("net.") for k in sd):
+        sd = {k.removeprefix("net."): v for k, v in sd.items() if k.startswith("net.")}
+    if "to_token_emb.weight" not in sd:
+        raise ValueError("not a SinkhornTransformerLM state dict: no 'to_token_emb.weight'")
+    return sd
+
+
+def convert_state_dict(checkpoint: Mapping, kwargs: Mapping) -> tuple[SinkhornConfig, dict[str, torch.Tensor]]:
+    """(config, state dict of SinkhornForCausalLM / SinkhornForMaskedLM) for a reference checkpoint."""
+    config = config_from_reference(kwargs)
+    kw = _full_kwargs(kwargs)
+    src = _unwrap(checkpoint)
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise ValueError(f"reference state dict has no '{name}' (do the kwargs match the checkpoint?)")
+        used.add(name)
+        return src[name]
+
+    out: dict[str, torch.Tensor] = {}
+    out["model.embed_tokens.weight"] = take("to_token_emb.weight")
+    rows = config.max_position_embeddings // config.bucket_size
+    out["model.embed_positions.per_bucket"] = take("axial_pos_emb.weights.0").reshape(rows, -1)
+    out["model.embed_positions.in_bucket"] = take("axial_pos_emb.weights.1").reshape(config.bucket_size, -1)
+
+    stack = "sinkhorn_transformer."
+    if config.emb_dim is not None:
+        for part in ("weight", "bias"):
+            out[f"model.project_in.{part}"] = take(f"{stack}project_in.{part}")
+            out[f"project_out.{part}"] = take(f"{stack}project_out.{part}")
+        if kw["reversible"]:
+            # the reference's reversible stack returns the sum of its two streams, ours their mean
+            out["project_out.weight"] = 2 * out["project_out.weight"]
+        stack += "fn."
+        norm = "norm_out"
+    else:
+        norm = "model.norm"
+    for part in ("weight", "bias"):
+        out[f"{norm}.{part}"] = take(f"norm.{part}")
+        out[f"lm_head.{part}"] = take(f"to_logits.{part}")
+
+    def branches(i: int) -> tuple[str, str]:
+        if kw["reversible"]:
+            return f"{stack}layers.blocks.{i}.f.net.", f"{stack}layers.blocks.{i}.g.net."
+        return f"{stack}layers.layers.{i}.0.", f"{stack}layers.layers.{i}.1."
+
+    n_local, n_sink = config.n_local_attn_heads, config.num_attention_heads - config.n_local_attn_heads
+    pkm = set(config.pkm_layers)
+    ff_layers = [i for i in range(config.num_hidden_layers) if i + 1 not in pkm]
+
+    def attention(i: int, ours: str) -> None:
+        f = branches(i)[0]
+        for part in ("weight", "bias"):
+            out[f"{ours}norm.{part}"] = take(f"{f}norm.{part}")
+        attn = f"{ours}attention."
+        for name in ("to_q.weight", "to_kv.weight", "to_out.weight", "to_out.bias"):
+            out[attn + name] = take(f"{f}fn.{name}")
+        group = 1 if n_local > 0 else 0  # the local heads' group comes first
+        if not config.causal:
+            if config.use_simple_sort_net and n_sink > 0:
+                out[f"{attn}groups.{group}.sort_net"] = take(f"{f}fn.sinkhorn_attention.sort_net.linear")[0]
+            elif config.use_simple_sort_net:
+                take(f"{f}fn.sinkhorn_attention.sort_net.linear")
+            return
+        nulls = [take(f"{f}fn.sinkhorn_attention.{name}") for name in ("null_keys", "null_values")]  # [heads, 1, d]
+        if n_sink == 0:
+            return  # the reference keeps empty null tables
+        plain = n_sink // 2
+        slices = [(0, plain), (plain, n_sink)] if plain > 0 else [(0, n_sink)]
+        for name, null in zip(("null_keys", "null_values"), nulls):
+            null = null.expand(-1, config.n_top_buckets, -1)  # the reference's null buckets share one key/value
+            for j, (s, e) in enumerate(slices):
+                out[f"{attn}groups.{group + j}.{name}"] = null[s:e].clone()
+
+    def feed_forward(i: int, ours: str) -> None:
+        g = branches(i)[1]
+        for part in ("weight", "bias"):
+            out[f"{ours}norm.{part}"] = take(f"{g}norm.{part}")
+        if i + 1 in pkm:
+            heads, dim_key = config.pkm_heads, config.pkm_dim_key
+            # queries: the reference's rows are ordered (half, head, d), ours (head, half, d); keys likewise
+            queries = take(f"{g}fn.to_queries.weight").reshape(2, heads, dim_key, -1).transpose(0, 1)
+            out[f"{ours}net.to_queries.weight"] = queries.reshape(2 * heads * dim_key, -1)
+            out[f"{ours}net.keys"] = take(f"{g}fn.keys").transpose(1, 2).contiguous()  # [heads, half, keys, d]
+            out[f"{ours}net.values.weight"] = take(f"{g}fn.values.weight")
+            for part in ("weight", "bias"):
+                out[f"{ours}net.query_norm.{part}"] = take(f"{g}fn.norm.{part}")
+            return
+        w1, b1 = take(f"{g}fn.fn.w1.weight"), take(f"{g}fn.fn.w1.bias")
+        if config.ff_glu:
+            # the reference gates with the second half (GELU on the first); ours applies GELU to the second half
+            w1, b1 = torch.cat(w1.chunk(2)[::-1]), torch.cat(b1.chunk(2)[::-1])
+        out[f"{ours}net.up.weight"], out[f"{ours}net.up.bias"] = w1, b1
+        out[f"{ours}net.down.weight"] = take(f"{g}fn.fn.w2.weight")
+        out[f"{ours}net.down.bias"] = take(f"{g}fn.fn.w2.bias")
+
+    if not config.weight_tie:
+        for i in range(config.num_hidden_layers):
+            attention(i, f"model.layers.{i}.attention.")
+            feed_forward(i, f"model.layers.{i}.feed_forward.")
+    else:
+        if not ff_layers:
+            raise ValueError("cannot convert: weight_tie=True with every layer in pkm_layers (no shared feed-forward)")
+        attention(0, "model.layers.0.attention.")
+        feed_forward(ff_layers[0], "model.layers.0.feed_forward.")
+        for i in sorted(pkm):
+            feed_forward(i - 1, f"model.pkm_blocks.{i}.")
+        # the reference shares attention and feed-forward but gives every layer its own pre-norms: they must agree
+        shared = [(branches(i)[0], branches(0)[0]) for i in range(1, config.num_hidden_layers)]
+        shared += [(branches(i)[1], branches(ff_layers[0])[1]) for i in ff_layers[1:]]
+        for branch, first in shared:
+            for name in [k for k in src if k.startswith(branch)]:
+                other = first + name[len(branch) :]
+                if other not in src or not torch.equal(src[name], src[other]):
+                    raise ValueError(
+                        f"cannot convert: weight_tie=True with per-layer weights that differ ('{name}'); "
+                        "weight_tie here shares the layer norms as well"
+                    )
+                used.add(name)
+    unused = sorted(set(src) - used)
+    if unused:
+        raise ValueError(f"reference state dict has entries this conversion does not map: {unused[:8]}")
+    return config, out
+
+
+def convert(checkpoint: Mapping, kwargs: Mapping):
+    """A ready model (eval mode) for a reference checkpoint: SinkhornForCausalLM or SinkhornForMaskedLM."""
+    from .modeling_sinkhorn import SinkhornForCausalLM, SinkhornForMaskedLM
+
+    config, state = convert_state_dict(checkpoint, kwargs)
+    model = (SinkhornForCausalLM if config.causal else SinkhornForMaskedLM)(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"conversion produced a mismatched state dict: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
+__all__ = ["REFERENCE_DEFAULTS", "config_from_reference", "convert", "convert_state_dict", "known_differences"]
