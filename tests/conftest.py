@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent / "read_guard"))
 import readguard  # noqa: E402
 
+os.environ.pop(readguard.ENV_TEST, None)  # a session started by a test has tests of its own
 _LOG_DIR = tempfile.mkdtemp(prefix="longrange-read-guard-")
 GUARD = readguard.ReadGuard(REPO, log=os.path.join(_LOG_DIR, "reads.jsonl")).install()
 os.environ.update(GUARD.child_env())  # subprocesses started by tests inherit the guard
@@ -40,7 +41,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def _read_guard_allows_pytest_temporary_folders(tmp_path_factory):
-    GUARD.allowed.append(str(tmp_path_factory.getbasetemp().resolve()))
+    GUARD.allow(tmp_path_factory.getbasetemp())
     os.environ.update(GUARD.child_env())
 
 
@@ -68,8 +69,8 @@ def _no_reads_outside_the_repository(request):
             _seen["reported"].add(i)
     _seen["checked"] = len(entries)
     if mine:
-        what = "read outside the repository (or started a Python subprocess without the read guard)"
-        pytest.fail(f"the test {what} {REPO}:\n{_describe(mine)}", pytrace=False)
+        what = f"read outside the repository {REPO} (or started a Python subprocess without the read guard)"
+        pytest.fail(f"the test {what}:\n{_describe(mine)}", pytrace=False)
 
 
 def pytest_sessionfinish(session, exitstatus):

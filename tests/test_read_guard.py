@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import conftest
 import pytest
 import readguard
 
@@ -90,9 +93,61 @@ def test_a_python_subprocess_without_the_guard_is_recorded(layout):
 
 
 def test_the_session_guard_watches_this_repository():
-    import conftest
-
     assert conftest.GUARD in readguard._guards
     assert conftest.GUARD.repo == str(conftest.REPO)
     assert os.environ[readguard.ENV_LOG] == conftest.GUARD.log
     assert not readguard.ReadGuard(conftest.REPO).unguarded_child([sys.executable, "-c", "pass"], None)
+
+
+INNER_TESTS = {
+    "test_clean.py": """
+def test_reads_inside(tmp_path):
+    (tmp_path / "x.txt").write_text("x")
+    assert (tmp_path / "x.txt").read_text() == "x"
+""",
+    "test_reads_sibling.py": """
+import subprocess, sys
+from pathlib import Path
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data.txt"
+
+def test_reads_a_sibling():
+    SHARED.read_text()
+
+def test_subprocess_reads_a_sibling():
+    subprocess.run([sys.executable, "-c", f"open({str(SHARED)!r}).read()"], check=True)
+""",
+    "test_collection_read.py": """
+from pathlib import Path
+(Path(__file__).resolve().parents[2] / "shared" / "data.txt").read_text()  # while the module is collected
+
+def test_passes():
+    pass
+""",
+}
+
+
+def test_a_session_with_reads_outside_the_repository_fails(layout):
+    """An inner pytest session with this suite's conftest, in a layout whose repository has a sibling `shared/`."""
+    tests = layout / "repo" / "tests"
+    shutil.copytree(Path(conftest.__file__).parent / "read_guard", tests / "read_guard")
+    shutil.copy(conftest.__file__, tests / "conftest.py")
+    (layout / "repo" / "longrange").mkdir()
+    (layout / "repo" / "longrange" / "__init__.py").write_text("")  # the conftest checks where longrange is from
+    for name, text in INNER_TESTS.items():
+        (tests / name).write_text(text)
+    (layout / "shared" / "data.txt").write_text("outside")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(layout / "repo"), os.environ["PYTHONPATH"]])}
+
+    def inner(*args):
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+        run = subprocess.run(command, cwd=layout / "repo", env=env, capture_output=True, text=True, timeout=120)
+        return run.returncode, run.stdout
+
+    # (a session without such reads passes: this whole suite runs under the same conftest)
+    code, out = inner("tests/test_clean.py", "tests/test_reads_sibling.py")
+    assert code == 1 and "3 passed, 2 errors" in out, out  # a test that fails at teardown counts as passed too
+    shared = str(layout / "shared" / "data.txt")
+    assert "ERROR at teardown of test_reads_a_sibling" in out and f"open: {shared}" in out
+    assert "ERROR at teardown of test_subprocess_reads_a_sibling" in out and f"open: {shared}  (pid " in out
+    code, out = inner("tests/test_collection_read.py")  # every test passes, the session still fails
+    assert code == 1 and "1 passed" in out and "read guard" in out and "outside any test" in out, out

@@ -23,7 +23,7 @@ RAW = b"\x80start \xff\xfe mid \xe2\x98 end\x00 </s> <pad> \xc3\xa9\xc3"
 
 
 @pytest.fixture(scope="module")
-def shakespeare(play_text) -> str:
+def play(play_text) -> str:
     return play_text[:40_000]
 
 
@@ -35,13 +35,13 @@ def write_gpt2_files(folder, vocab: dict[str, int], merges: list[tuple[str, str]
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory, shakespeare):
+def gpt2_dir(tmp_path_factory, play):
     """GPT-2-format files of a byte-level BPE trained here with `tokenizers`: 500 tokens, then `<|endoftext|>` last."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     backend.train_from_iterator(
-        [shakespeare], trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet, show_progress=False)
+        [play], trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet, show_progress=False)
     )
     folder = tmp_path_factory.mktemp("gpt2-format")
     backend.model.save(str(folder))  # vocab.json + merges.txt
@@ -53,12 +53,12 @@ def gpt2_dir(tmp_path_factory, shakespeare):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, shakespeare, gpt2_dir):
+def saved(tmp_path_factory, play, gpt2_dir):
     """Each tokenizer kind saved with save_pretrained and reloaded with AutoTokenizer."""
     folders = {}
     for name, tok in {
         "byte": byte_tokenizer(),
-        "bpe": train_bpe_tokenizer([shakespeare], vocab_size=400),
+        "bpe": train_bpe_tokenizer([play], vocab_size=400),
         "gpt2": gpt2_tokenizer(gpt2_dir),
     }.items():
         folder = tmp_path_factory.mktemp(name)
@@ -77,9 +77,9 @@ def test_byte_ids_are_utf8_byte_values_and_specials_follow():
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "gpt2"])
-def test_saved_tokenizer_round_trips_text(saved, kind, shakespeare):
+def test_saved_tokenizer_round_trips_text(saved, kind, play):
     original, reloaded = saved[kind]
-    for text in (TEXT, shakespeare[:5000], " leading space", "x  .  ,"):
+    for text in (TEXT, play[:5000], " leading space", "x  .  ,"):
         ids = reloaded(text, add_special_tokens=False)["input_ids"]
         assert ids == original(text, add_special_tokens=False)["input_ids"]
         assert reloaded.decode(ids) == text
@@ -103,11 +103,11 @@ def test_encode_bytes_of_byte_tokenizer_is_identity():
     assert decode_bytes(tok, [tok.eos_token_id], skip_special_tokens=False) == b"</s>"
 
 
-def test_bpe_compresses_and_keeps_every_byte(shakespeare):
-    tok = train_bpe_tokenizer([shakespeare], vocab_size=400)
+def test_bpe_compresses_and_keeps_every_byte(play):
+    tok = train_bpe_tokenizer([play], vocab_size=400)
     assert len(tok) == 400
-    ids = tok(shakespeare, add_special_tokens=False)["input_ids"]
-    assert len(ids) < 0.7 * len(shakespeare.encode())  # merges were learned
+    ids = tok(play, add_special_tokens=False)["input_ids"]
+    assert len(ids) < 0.7 * len(play.encode())  # merges were learned
     assert tok.unk_token_id is None  # every byte is in the alphabet: nothing can be unknown
 
 
@@ -127,9 +127,9 @@ def test_gpt2_applies_the_merges_by_rank_with_the_gpt2_byte_alphabet(tmp_path):
     assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == 259 == len(tok) - 1
 
 
-def test_load_tokenizer_specs(tmp_path, shakespeare, gpt2_dir):
+def test_load_tokenizer_specs(tmp_path, play, gpt2_dir):
     assert len(load_tokenizer("byte")) == 259
-    assert len(load_tokenizer("bpe", texts=[shakespeare], vocab_size=300)) == 300
+    assert len(load_tokenizer("bpe", texts=[play], vocab_size=300)) == 300
     assert len(load_tokenizer(f"gpt2:{gpt2_dir}")) == 501  # vocab.json's 500 tokens and <|endoftext|>
     byte_tokenizer().save_pretrained(tmp_path)
     assert len(load_tokenizer(str(tmp_path))) == 259

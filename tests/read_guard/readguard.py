@@ -81,7 +81,9 @@ class ReadGuard:
         roots = [*(default_allowed_roots() if defaults else []), *allowed]
         if log is not None:
             roots.append(os.path.dirname(_real(log)))
-        self.allowed = sorted({r for r in map(_real, roots) if not _inside(self.parent, r)})
+        self.allowed: list[str] = []
+        for root in roots:
+            self.allow(root)
         self.siblings = []
         for name in sorted(os.listdir(self.parent)):
             path = os.path.join(self.parent, name)
@@ -93,11 +95,20 @@ class ReadGuard:
         self.records: list[dict] = []
         self.test: str | None = None  # the test being run, stamped on each record
 
+    def allow(self, root: str | os.PathLike) -> None:
+        """Allow reads below `root`, unless it holds the repository's parent (that would allow everything)."""
+        root = _real(root)
+        if not _inside(self.parent, root) and root not in self.allowed:
+            self.allowed.append(root)
+
     # ---- policy ----------------------------------------------------------------------------------------------
 
     def outside(self, path: str | os.PathLike) -> bool:
         """Whether opening or listing `path` (relative paths: from the current folder) reads outside the repository."""
-        real = _real(os.path.join(os.getcwd(), os.fsdecode(path)))
+        absolute = os.path.normpath(os.path.join(os.getcwd(), os.fsdecode(path)))
+        if not _inside(absolute, self.parent) and any(_inside(absolute, r) for r in self.allowed):
+            return False  # fast path (no symbolic links resolved) for the Python installation's own files
+        real = _real(absolute)
         if not any(_inside(real, s) for s in self.siblings):
             return False
         if any(part.startswith(".") for part in os.path.relpath(real, self.parent).split(os.sep)):
