@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -99,12 +97,13 @@ def test_train_script_refuses_a_typo_and_an_alias_overrides_the_small_default(ca
     assert config.bucket_size == train.SMALL_CONFIGS["sinkhorn"]["bucket_size"]
 
 
-def test_train_command_with_a_typo_fails_before_loading_anything(tmp_path):
+def test_train_main_with_a_typo_fails_before_loading_anything(tmp_path, capsys):
     out = tmp_path / "out"
-    command = [sys.executable, "scripts/train.py", "--config", "no_such_option=1", "--output_dir", str(out)]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "'no_such_option' is not a field of CompressiveConfig" in proc.stderr and "segment_length" in proc.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        load_train_script().main(["--config", "no_such_option=1", "--output_dir", str(out)])
+    assert exit_info.value.code == 2  # argparse's usage error, as on the command line
+    err = capsys.readouterr().err
+    assert "'no_such_option' is not a field of CompressiveConfig" in err and "segment_length" in err
     assert not out.exists()  # refused before the output folder, the data or the model
 
 
