@@ -8,6 +8,7 @@ fails the session at the end.
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import shutil
@@ -23,6 +24,7 @@ import readguard  # noqa: E402
 
 os.environ.pop(readguard.ENV_TEST, None)  # a session started by a test has tests of its own
 _LOG_DIR = tempfile.mkdtemp(prefix="longrange-read-guard-")
+atexit.register(shutil.rmtree, _LOG_DIR, True)  # also when pytest stops before the session ends (usage errors)
 GUARD = readguard.ReadGuard(REPO, log=os.path.join(_LOG_DIR, "reads.jsonl")).install()
 os.environ.update(GUARD.child_env())  # subprocesses started by tests inherit the guard
 _seen = {"checked": 0, "reported": set()}
