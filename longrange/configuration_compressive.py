@@ -51,7 +51,8 @@ class CompressiveConfig(PreTrainedConfig):
             feed-forward is replaced by a product-key memory.
         pkm_num_keys (`int`, defaults to 128): sub-keys per half of each product-key memory (num_keys ** 2 slots).
         pkm_heads (`int`, defaults to 4): product-key memory heads.
-        pkm_topk (`int`, defaults to 32): slots selected per head and token; at most `pkm_num_keys`.
+        pkm_topk (`int`, optional): slots selected per head and token; at most `pkm_num_keys`. Default (None):
+            `min(32, pkm_num_keys)`, resolved when the config is built (the resolved value is what is saved).
     """
 
     model_type = "compressive"
@@ -88,11 +89,13 @@ class CompressiveConfig(PreTrainedConfig):
     pkm_layers: list[int] | tuple[int, ...] = ()
     pkm_num_keys: int = 128
     pkm_heads: int = 4
-    pkm_topk: int = 32
+    pkm_topk: int | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)  # applies seed aliases passed as keyword arguments
         self.pkm_layers = list(self.pkm_layers)
+        if self.pkm_topk is None and isinstance(self.pkm_num_keys, int):  # a bad pkm_num_keys is refused below
+            self.pkm_topk = min(32, self.pkm_num_keys)
         self._validate()
 
     def _validate(self) -> None:
@@ -154,7 +157,10 @@ class CompressiveConfig(PreTrainedConfig):
         if len(set(self.pkm_layers)) != len(self.pkm_layers):
             raise ValueError(f"pkm_layers must not repeat a layer, got {self.pkm_layers!r}")
         if self.pkm_topk > self.pkm_num_keys:
-            raise ValueError(f"pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys})")
+            raise ValueError(
+                f"pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys}): a head selects "
+                "pkm_topk of the pkm_num_keys sub-keys of each half (leave pkm_topk unset for min(32, pkm_num_keys))"
+            )
         for name in ("tie_word_embeddings", "use_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

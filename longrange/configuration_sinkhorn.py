@@ -104,7 +104,8 @@ class SinkhornConfig(PreTrainedConfig):
         layer_dropout: probability of skipping a whole layer in training ("Reducing Transformer Depth on Demand").
         pkm_layers: 1-based layer numbers whose feed-forward is replaced by a product-key memory.
         pkm_num_keys, pkm_topk, pkm_heads: product-key memory size (`pkm_num_keys ** 2` slots), slots read per
-            head, query heads.
+            head (at most `pkm_num_keys`; default None = `min(32, pkm_num_keys)`, resolved when the config is built
+            and saved resolved), query heads.
         pkm_dim_key: width of each half of a product-key query (and of the sub-keys); default `hidden_size // 2`.
         pkm_norm_halves: the query LayerNorm normalises each half-query separately (width `pkm_dim_key`, as the
             product-key-memory package does) instead of each head's whole query (default False).
@@ -169,6 +170,8 @@ class SinkhornConfig(PreTrainedConfig):
         "is_decoder": "causal",
         "add_cross_attention": "receives_context",
     }
+    # constructor-only aliases (not attributes: as an attribute, `temperature` would change sampling in generate())
+    keyword_aliases = {"temperature": "sort_temperature"}
 
     vocab_size: int = 20000
     hidden_size: int = 512
@@ -200,7 +203,7 @@ class SinkhornConfig(PreTrainedConfig):
     layer_dropout: float = 0.0
     pkm_layers: list[int] | tuple[int, ...] = ()
     pkm_num_keys: int = 128
-    pkm_topk: int = 32
+    pkm_topk: int | None = None
     pkm_heads: int = 4
     pkm_dim_key: int | None = None
     pkm_norm_halves: bool = False
@@ -231,7 +234,10 @@ class SinkhornConfig(PreTrainedConfig):
         unknown = sorted(
             k
             for k in kwargs
-            if k not in fields and k not in self.attribute_map and k not in _GENERIC_KEYS and k != "temperature"
+            if k not in fields
+            and k not in self.attribute_map
+            and k not in _GENERIC_KEYS
+            and k not in self.keyword_aliases
         )
         if unknown:
             raise ValueError(f"SinkhornConfig: unknown option(s) {unknown}")
@@ -241,6 +247,8 @@ class SinkhornConfig(PreTrainedConfig):
             self.sort_temperature = kwargs.pop("temperature")
         super().__post_init__(**kwargs)
         self.pkm_layers = [int(i) for i in self.pkm_layers]
+        if self.pkm_topk is None and isinstance(self.pkm_num_keys, int):  # a bad pkm_num_keys is refused below
+            self.pkm_topk = min(32, self.pkm_num_keys)
         self.validate_sinkhorn()
 
     # derived sizes ---------------------------------------------------------------------------------------------
@@ -340,7 +348,9 @@ class SinkhornConfig(PreTrainedConfig):
             )
         if self.pkm_topk > self.pkm_num_keys:
             raise ValueError(
-                f"SinkhornConfig: pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys})"
+                f"SinkhornConfig: pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys}): a "
+                "head selects pkm_topk of the pkm_num_keys sub-keys of each half (leave pkm_topk unset for "
+                "min(32, pkm_num_keys))"
             )
         if self.norm_after_project_out and self.embedding_size == self.hidden_size:
             raise ValueError(

@@ -1,14 +1,64 @@
-"""Pieces shared by the training scripts: schedule, streaming evaluation, curves, samples, checkpointed state.
+"""Pieces shared by the training scripts: config overrides, schedule, streaming evaluation, curves, samples, state.
 
 Nothing here is imported by the modeling files, so a saved model never depends on it.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 from collections.abc import Iterable
 
 import torch
+
+
+def config_keys(config_class) -> dict[str, str]:
+    """The keys a model config takes from the command line, each mapped to the field it sets.
+
+    These are the config class's own fields (not the generic `PreTrainedConfig` ones such as `dtype`) and their
+    aliases: `attribute_map` (the seeds' names, e.g. `dim`, `depth`, `heads`) and `keyword_aliases` (names accepted
+    by the constructor only, e.g. Sinkhorn's `temperature`).
+    """
+    from transformers import PreTrainedConfig
+
+    generic = set(PreTrainedConfig.__dataclass_fields__)
+    keys = {name: name for name in config_class.__dataclass_fields__ if name not in generic}
+    aliases = {**config_class.attribute_map, **getattr(config_class, "keyword_aliases", {})}
+    keys.update({alias: field for alias, field in aliases.items() if field in keys})
+    return keys
+
+
+def parse_config_overrides(items: Iterable[str], config_class) -> dict:
+    """`--config KEY=VALUE ...` items -> keyword arguments for `config_class`, aliases resolved to field names.
+
+    A value is read as a Python literal where it is one (`6`, `0.1`, `True`, `None`, `[2, 4]`), else kept as a
+    string (`compression_function=max_pool`). Raises ValueError, naming the item and listing the valid keys, for a
+    key the config does not define, an item without `=`, or a field given twice (also through an alias).
+    """
+    keys = config_keys(config_class)
+    out: dict = {}
+    given: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--config expects KEY=VALUE items, got {item!r}")
+        if key not in keys:
+            fields = sorted(k for k, f in keys.items() if k == f)
+            aliases = sorted(f"{k} (= {f})" for k, f in keys.items() if k != f)
+            raise ValueError(
+                f"--config: {key!r} is not a field of {config_class.__name__} nor an alias of one. "
+                f"Valid keys: {', '.join(fields)}; "
+                f"aliases: {', '.join(aliases) or 'none'}"
+            )
+        field = keys[key]
+        if field in out:
+            raise ValueError(f"--config: {field} is given twice ({given[field]!r} and {item!r})")
+        try:
+            out[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[field] = value
+        given[field] = item
+    return out
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):

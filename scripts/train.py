@@ -14,7 +14,6 @@ result does not depend on how the batch is spread over processes and accumulatio
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
@@ -64,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="*",
         default=[],
         metavar="KEY=VALUE",
-        help="config overrides, e.g. hidden_size=256 num_hidden_layers=6 pkm_layers=[2]",
+        help="config overrides, e.g. hidden_size=256 num_hidden_layers=6 pkm_layers=[2]; a key the model's config "
+        "does not define is refused with the list of valid keys",
     )
     g = p.add_argument_group("data")
     g.add_argument(
@@ -121,20 +121,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--prompts", nargs="*", default=None, help="sample prompts (default: taken from the corpus)")
     args = p.parse_args(argv)
     args.split = tuple(float(x) for x in args.split.split(","))
+    from longrange import CompressiveConfig, SinkhornConfig
+    from longrange.training import parse_config_overrides
+
+    config_class = {"compressive": CompressiveConfig, "sinkhorn": SinkhornConfig}[args.model]
+    try:  # checked before anything is loaded or trained
+        args.config = parse_config_overrides(args.config, config_class)
+    except ValueError as err:
+        p.error(str(err))
     return args
-
-
-def parse_overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--config expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value  # a plain string such as compression_function=max_pool
-    return out
 
 
 def build_config(args, tokenizer):
@@ -143,7 +138,7 @@ def build_config(args, tokenizer):
     import longrange  # noqa: F401  (registers the model types)
 
     fields = dict(SMALL_CONFIGS[args.model])
-    fields.update(parse_overrides(args.config))
+    fields.update(args.config)  # already checked against the config's fields by parse_args
     fields.setdefault("vocab_size", len(tokenizer))
     if fields["vocab_size"] < len(tokenizer):
         raise SystemExit(f"vocab_size={fields['vocab_size']} is smaller than the tokenizer ({len(tokenizer)} tokens)")

@@ -22,9 +22,6 @@ from longrange.data import (
 )
 from longrange.tokenization import byte_tokenizer, train_bpe_tokenizer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-SHAKESPEARE = SHARED / "tinyshakespeare.txt"
-
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,9 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # ---- corpora and splits ------------------------------------------------------------------------------------------
 
 
-def test_single_file_is_split_by_position_90_5_5():
-    raw = SHAKESPEARE.read_bytes()
-    corpus = load_corpus(SHAKESPEARE, as_bytes=True)
+def test_single_file_is_split_by_position_90_5_5(play_file):
+    raw = play_file.read_bytes()
+    corpus = load_corpus(play_file, as_bytes=True)
     assert corpus.split_by == "position"
     n = len(raw)
     a, b = int(n * 0.9), int(n * 0.95)
@@ -43,9 +40,10 @@ def test_single_file_is_split_by_position_90_5_5():
     assert corpus.splits["test"] == [raw[b:]]
 
 
-def test_tiny_shakespeare_convention_90_10_through_the_text_builder():
-    text = SHAKESPEARE.read_text(encoding="utf-8")
-    corpus = load_corpus(str(SHAKESPEARE), split=(0.9, 0.1))
+def test_tiny_shakespeare_convention_90_10_through_the_text_builder(play_file):
+    text = play_file.read_text(encoding="utf-8")
+    assert len(text) < len(text.encode("utf-8"))  # some characters take several bytes: the cut is by character
+    corpus = load_corpus(str(play_file), split=(0.9, 0.1))
     cut = int(len(text) * 0.9)
     assert corpus.splits["train"] == [text[:cut]]
     assert corpus.splits["validation"] == [text[cut:]]
@@ -87,7 +85,7 @@ def test_default_corpus_is_the_standard_library_sources():
     )
 
 
-def test_bad_paths_empty_files_and_offline_hub_names_raise_clear_errors(tmp_path):
+def test_bad_paths_empty_files_and_offline_hub_names_raise_clear_errors(tmp_path, play_file):
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         load_corpus(tmp_path / "missing.txt")
     (tmp_path / "empty.txt").write_bytes(b"")
@@ -102,7 +100,7 @@ def test_bad_paths_empty_files_and_offline_hub_names_raise_clear_errors(tmp_path
     with pytest.raises(FileNotFoundError, match="neither a local file or folder nor a loadable Hub dataset"):
         load_corpus("some-user/some-dataset-that-is-not-here")
     with pytest.raises(ValueError, match="split"):
-        load_corpus(SHAKESPEARE, split=(0.5, 0.2))
+        load_corpus(play_file, split=(0.5, 0.2))
     tiny = tmp_path / "tiny.txt"
     tiny.write_bytes(b"abc")
     with pytest.raises(ValueError, match="validation split .* is empty"):
@@ -162,8 +160,8 @@ def test_window_must_be_a_multiple_of_the_segment_or_bucket():
         check_window(128, sinkhorn)
 
 
-def test_streaming_rows_continue_exactly_where_the_previous_step_stopped():
-    raw = SHAKESPEARE.read_bytes()[:60_000]
+def test_streaming_rows_continue_exactly_where_the_previous_step_stopped(play_file):
+    raw = play_file.read_bytes()[:60_000]
     ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
     window, batch = 64, 4
     batcher = StreamBatcher(ids, window, batch)

@@ -24,8 +24,6 @@ from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig,
 from longrange.tokenization import byte_tokenizer, decode_bytes, encode_bytes, train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-SHAKESPEARE = DATA / "tinyshakespeare.txt"
 
 
 def load_script(name: str):
@@ -50,9 +48,14 @@ def tiny_model(kind: str, vocab_size: int, special: dict):
 
 
 @pytest.fixture(scope="module")
-def small_text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "shakespeare_12k.txt"
-    path.write_bytes(SHAKESPEARE.read_bytes()[:12_000])
+def play_bytes(play_file) -> bytes:
+    return play_file.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory, play_bytes) -> Path:
+    path = tmp_path_factory.mktemp("data") / "play_12k.txt"
+    path.write_bytes(play_bytes[:12_000])
     return path
 
 
@@ -81,15 +84,15 @@ def test_pipeline_generates_text_from_saved_folder(saved):
     assert len(ids) >= 1  # new text, some of it maybe undecodable bytes shown as U+FFFD
 
 
-def test_saved_folder_tokenizer_round_trips_bytes(saved):
+def test_saved_folder_tokenizer_round_trips_bytes(saved, play_bytes):
     tok = AutoTokenizer.from_pretrained(saved)
-    raw = SHAKESPEARE.read_bytes()[:300] + b"\xff\xfe\x80 \xe2\x98"  # Shakespeare then invalid UTF-8
+    raw = play_bytes[:300] + b"\xff\xfe\x80 \xe2\x98"  # text, then invalid UTF-8
     assert encode_bytes(tok, raw) == list(raw)
     assert decode_bytes(tok, encode_bytes(tok, raw)) == raw
 
 
-def test_bpe_tokenizer_in_saved_folder_round_trips_text(tmp_path):
-    text = SHAKESPEARE.read_text(encoding="utf-8")[:20_000]
+def test_bpe_tokenizer_in_saved_folder_round_trips_text(tmp_path, play_text):
+    text = play_text[:20_000]
     tok = train_bpe_tokenizer([text], vocab_size=320)
     special = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     tiny_model("sinkhorn", len(tok), special).save_pretrained(tmp_path)
@@ -146,18 +149,19 @@ def test_trainer_finetunes_and_checkpoint_reloads(saved, small_text, tmp_path):
 
 
 @pytest.mark.slow  # three short Trainer runs, one of them two processes: ~1 min on a loaded 2-core machine
-def test_finetune_accumulation_and_processes_equal_one_big_batch(tmp_path):
+def test_finetune_accumulation_and_processes_equal_one_big_batch(tmp_path, play_bytes):
     """1 step of 4 rows = 2 accumulation steps of 2 rows = 2 processes of 2 rows, reconstruction loss included
     (Trainer alone would count the per-call reconstruction mean twice in both), with the same logged losses."""
     finetune = ROOT / "scripts" / "finetune.py"
     data = tmp_path / "four_windows.txt"
-    data.write_bytes(SHAKESPEARE.read_bytes()[:160])  # 90% = 144 bytes = exactly 4 windows of 32: one full batch
+    data.write_bytes(play_bytes[:160])  # 90% = 144 bytes = exactly 4 windows of 32: one full batch
     tok = byte_tokenizer()
     tiny_model("compressive", len(tok), {}).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     common = [str(tmp_path / "base"), "--data", str(data), "--window", "32", "--max_steps", "2", "--logging_steps", "1"]
     common += ["--learning_rate", "1e-2", "--save_steps", "100", "--max_eval_tokens", "0"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # the repository first, the read guard kept
+    env = {**os.environ, "PYTHONPATH": path, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     # `--multi_gpu` picks accelerate's torchrun launcher; ACCELERATE_USE_CPU makes the two processes CPU/gloo ones
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -228,14 +232,14 @@ def direct_nll(model, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1], ids[1:], reduction="none")
 
 
-def test_evaluate_compressive_cache_equals_one_forward(tmp_path):
+def test_evaluate_compressive_cache_equals_one_forward(tmp_path, play_bytes):
     evaluate_script = load_script("evaluate")
     tok = byte_tokenizer()
     model = tiny_model("compressive", len(tok), {})
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     text = tmp_path / "doc.txt"
-    text.write_bytes(SHAKESPEARE.read_bytes()[:123])  # 15 segments of 8 and a partial one: memories compress
+    text.write_bytes(play_bytes[:123])  # 15 segments of 8 and a partial one: memories compress
     ids = torch.tensor(list(text.read_bytes()))
     expected = direct_nll(model.eval(), ids)
     for chunk in ("12", "64"):  # misaligned with the segments, and several segments per call
@@ -246,14 +250,14 @@ def test_evaluate_compressive_cache_equals_one_forward(tmp_path):
         assert result["bits_per_byte"] == pytest.approx(expected.sum().item() / math.log(2) / 123, rel=1e-5)
 
 
-def test_evaluate_sinkhorn_scores_each_token_once(tmp_path):
+def test_evaluate_sinkhorn_scores_each_token_once(tmp_path, play_bytes):
     evaluate_script = load_script("evaluate")
     tok = byte_tokenizer()
     model = tiny_model("sinkhorn", len(tok), {}).eval()
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     text = tmp_path / "doc.txt"
-    text.write_bytes(SHAKESPEARE.read_bytes()[:100])
+    text.write_bytes(play_bytes[:100])
     ids = torch.tensor(list(text.read_bytes()))
     json_path = tmp_path / "out.json"
     argv = [str(tmp_path), str(text), "--window", "32", "--stride", "16", "--json", str(json_path)]
@@ -268,7 +272,7 @@ def test_evaluate_sinkhorn_scores_each_token_once(tmp_path):
 
     # a document shorter than one window: padded to the bucket size, still equal to the unpadded forward
     short = tmp_path / "short.txt"
-    short.write_bytes(SHAKESPEARE.read_bytes()[:21])
+    short.write_bytes(play_bytes[:21])
     _, scores = evaluate_script.main([str(tmp_path), str(short)])
     torch.testing.assert_close(
         scores.nll, direct_nll(model, torch.tensor(list(short.read_bytes()))), rtol=1e-4, atol=1e-5
@@ -366,7 +370,7 @@ def test_push_to_hub_dry_run_folder_loads_without_longrange(tmp_path):
         prepared.append(str(out))
 
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = os.environ.get("LONGRANGE_READ_GUARD_DIR", "")  # the read guard only: not the repository
     run = subprocess.run(
         [sys.executable, "-c", FRESH_LOAD, *prepared],
         env=env,

@@ -113,7 +113,7 @@ def test_trust_remote_code_loads_from_a_fresh_folder_without_the_package(tmp_pat
         """
     )
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = os.environ.get("LONGRANGE_READ_GUARD_DIR", "")  # the read guard only: not the repository
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )

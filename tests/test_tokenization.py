@@ -1,8 +1,9 @@
 """Tokenizers save as fast tokenizers, reload through AutoTokenizer and round-trip text and raw bytes exactly."""
 
-from pathlib import Path
+import json
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from longrange.tokenization import (
@@ -15,25 +16,50 @@ from longrange.tokenization import (
     train_bpe_tokenizer,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+ENDOFTEXT = "<|endoftext|>"
 TEXT = "Fair is foul, and foul is fair:\nHover through the fog and filthy air. Ünïcödé ☃ 😀 \t tabs  and  spaces ."
 # invalid UTF-8 everywhere: a lone continuation byte, 0xff, a truncated 3-byte sequence, NUL, and a special-token look-alike
 RAW = b"\x80start \xff\xfe mid \xe2\x98 end\x00 </s> <pad> \xc3\xa9\xc3"
 
 
 @pytest.fixture(scope="module")
-def shakespeare() -> str:
-    return (DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")[:40_000]
+def play(play_text) -> str:
+    return play_text[:40_000]
+
+
+def write_gpt2_files(folder, vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
+    """`vocab.json` and `merges.txt` laid out as GPT-2 ships them (a `#version` line, then one merge per line)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, shakespeare):
+def gpt2_dir(tmp_path_factory, play):
+    """GPT-2-format files of a byte-level BPE trained here with `tokenizers`: 500 tokens, then `<|endoftext|>` last."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend.train_from_iterator(
+        [play], trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet, show_progress=False)
+    )
+    folder = tmp_path_factory.mktemp("gpt2-format")
+    backend.model.save(str(folder))  # vocab.json + merges.txt
+    vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+    merges = [tuple(line.split(" ")) for line in (folder / "merges.txt").read_text(encoding="utf-8").splitlines()[1:]]
+    assert len(vocab) == 500 and len(merges) == 500 - 256
+    write_gpt2_files(folder, {**vocab, ENDOFTEXT: len(vocab)}, merges)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, play, gpt2_dir):
     """Each tokenizer kind saved with save_pretrained and reloaded with AutoTokenizer."""
     folders = {}
     for name, tok in {
         "byte": byte_tokenizer(),
-        "bpe": train_bpe_tokenizer([shakespeare], vocab_size=400),
-        "gpt2": gpt2_tokenizer(DATA / "gpt2-bpe"),
+        "bpe": train_bpe_tokenizer([play], vocab_size=400),
+        "gpt2": gpt2_tokenizer(gpt2_dir),
     }.items():
         folder = tmp_path_factory.mktemp(name)
         tok.save_pretrained(folder)
@@ -51,9 +77,9 @@ def test_byte_ids_are_utf8_byte_values_and_specials_follow():
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "gpt2"])
-def test_saved_tokenizer_round_trips_text(saved, kind, shakespeare):
+def test_saved_tokenizer_round_trips_text(saved, kind, play):
     original, reloaded = saved[kind]
-    for text in (TEXT, shakespeare[:5000], " leading space", "x  .  ,"):
+    for text in (TEXT, play[:5000], " leading space", "x  .  ,"):
         ids = reloaded(text, add_special_tokens=False)["input_ids"]
         assert ids == original(text, add_special_tokens=False)["input_ids"]
         assert reloaded.decode(ids) == text
@@ -77,25 +103,34 @@ def test_encode_bytes_of_byte_tokenizer_is_identity():
     assert decode_bytes(tok, [tok.eos_token_id], skip_special_tokens=False) == b"</s>"
 
 
-def test_bpe_compresses_and_keeps_every_byte(shakespeare):
-    tok = train_bpe_tokenizer([shakespeare], vocab_size=400)
+def test_bpe_compresses_and_keeps_every_byte(play):
+    tok = train_bpe_tokenizer([play], vocab_size=400)
     assert len(tok) == 400
-    ids = tok(shakespeare, add_special_tokens=False)["input_ids"]
-    assert len(ids) < 0.7 * len(shakespeare.encode())  # merges were learned
+    ids = tok(play, add_special_tokens=False)["input_ids"]
+    assert len(ids) < 0.7 * len(play.encode())  # merges were learned
     assert tok.unk_token_id is None  # every byte is in the alphabet: nothing can be unknown
 
 
-def test_gpt2_matches_known_ids():
-    tok = gpt2_tokenizer(DATA / "gpt2-bpe")
-    # ids published for the GPT-2 vocabulary ("Hello world" -> 15496, 995; "<|endoftext|>" -> 50256)
-    assert tok("Hello world")["input_ids"] == [15496, 995]
-    assert tok.eos_token_id == 50256 == len(tok) - 1
+def test_gpt2_applies_the_merges_by_rank_with_the_gpt2_byte_alphabet(tmp_path):
+    # a hand-made GPT-2-format vocabulary: the 256 byte characters, three merges, <|endoftext|> last (as 50256 is)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the GPT-2 byte-to-unicode characters
+    assert "\u0120" in alphabet  # GPT-2's "Ġ": the space byte
+    vocab = {char: i for i, char in enumerate(alphabet)}
+    vocab.update({"bc": 256, "ab": 257, "\u0120a": 258, ENDOFTEXT: 259})
+    write_gpt2_files(tmp_path, vocab, [("b", "c"), ("a", "b"), ("\u0120", "a")])
+    tok = gpt2_tokenizer(tmp_path)
+    # worked out by hand from the BPE definition (lowest-ranked pair first, words split before a space):
+    # "abc" -> a b c -> a bc (rank 0; then "a bc" has no merge); " abc" -> Ġ a b c -> Ġ a bc -> Ġa bc
+    assert tok("abc abc")["input_ids"] == [vocab["a"], 256, 258, 256]
+    assert tok("abab")["input_ids"] == [257, 257]
+    assert tok(f"ab{ENDOFTEXT}")["input_ids"] == [257, 259]  # the special token is recognised in text
+    assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == 259 == len(tok) - 1
 
 
-def test_load_tokenizer_specs(tmp_path, shakespeare):
+def test_load_tokenizer_specs(tmp_path, play, gpt2_dir):
     assert len(load_tokenizer("byte")) == 259
-    assert len(load_tokenizer("bpe", texts=[shakespeare], vocab_size=300)) == 300
-    assert len(load_tokenizer(f"gpt2:{DATA / 'gpt2-bpe'}")) == 50257
+    assert len(load_tokenizer("bpe", texts=[play], vocab_size=300)) == 300
+    assert len(load_tokenizer(f"gpt2:{gpt2_dir}")) == 501  # vocab.json's 500 tokens and <|endoftext|>
     byte_tokenizer().save_pretrained(tmp_path)
     assert len(load_tokenizer(str(tmp_path))) == 259
 

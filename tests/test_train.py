@@ -15,12 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-SHAKESPEARE = SHARED / "tinyshakespeare.txt"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-os.environ.update({k: ENV[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM")})
-ENV["OMP_NUM_THREADS"] = "1"  # tiny models on a shared 2-core machine: one thread each avoids oversubscription
+os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
 torch.set_num_threads(1)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a subprocess, taken when it starts (it carries the read guard of the running test)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models on a shared 2-core machine: one thread each
+
 
 TINY = {
     "compressive": [
@@ -54,14 +56,14 @@ def _load_train_module():
 train = _load_train_module()
 
 
-def run(output_dir, *extra, model="compressive", config=()):
-    """One in-process run of scripts/train.py on Tiny Shakespeare with a tiny model (Accelerate state reset first)."""
+def run(output_dir, data, *extra, model="compressive", config=()):
+    """One in-process run of scripts/train.py on the generated play text with a tiny model (Accelerate state reset)."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     argv = [
-        "--model", model, "--data", str(SHAKESPEARE), "--window", "32", "--batch_size", "2",
+        "--model", model, "--data", str(data), "--window", "32", "--batch_size", "2",
         "--eval_every", "0", "--eval_tokens", "1024", "--num_samples", "0", "--learning_rate", "3e-3",
         "--output_dir", str(output_dir), "--config", *TINY[model], *config, *extra,
     ]  # fmt: skip
@@ -76,13 +78,14 @@ def weights(output_dir) -> dict[str, torch.Tensor]:
     "model,config",
     [("compressive", ["hidden_dropout=0.1", "attention_dropout=0.1"]), ("sinkhorn", ["ff_dropout=0.1"])],
 )
-def test_resume_from_a_checkpoint_gives_the_uninterrupted_weights(tmp_path, model, config):
+def test_resume_from_a_checkpoint_gives_the_uninterrupted_weights(tmp_path, play_file, model, config):
     # dropout on: the resumed run must also restore the random number generators to match
     common = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--save_every", "2"]
-    whole = run(tmp_path / "whole", *common, model=model, config=config)
+    whole = run(tmp_path / "whole", play_file, *common, model=model, config=config)
     assert (tmp_path / "whole" / "checkpoints" / "step_2").is_dir()
     resumed = run(
         tmp_path / "resumed",
+        play_file,
         *common,
         "--resume_from",
         str(tmp_path / "whole" / "checkpoints" / "step_2"),
@@ -99,17 +102,17 @@ def test_resume_from_a_checkpoint_gives_the_uninterrupted_weights(tmp_path, mode
     assert any(not torch.equal(a[n], at_checkpoint[n]) for n in a)
 
 
-def test_accumulation_over_rows_equals_one_bigger_batch(tmp_path):
+def test_accumulation_over_rows_equals_one_bigger_batch(tmp_path, play_file):
     # the single-process twin of the two-process test: 2 micro-steps of 2 rows == 1 step of 4 rows (memories carried)
-    run(tmp_path / "big", "--max_steps", "3", "--batch_size", "4")
-    run(tmp_path / "acc", "--max_steps", "3", "--batch_size", "2", "--gradient_accumulation_steps", "2")
+    run(tmp_path / "big", play_file, "--max_steps", "3", "--batch_size", "4")
+    run(tmp_path / "acc", play_file, "--max_steps", "3", "--batch_size", "2", "--gradient_accumulation_steps", "2")
     a, b = weights(tmp_path / "big"), weights(tmp_path / "acc")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
 
 
-def test_streaming_training_carries_the_memory_across_steps(tmp_path):
-    run(tmp_path / "carry", "--max_steps", "3", "--save_every", "0")
+def test_streaming_training_carries_the_memory_across_steps(tmp_path, play_file):
+    run(tmp_path / "carry", play_file, "--max_steps", "3", "--save_every", "0")
     caches = torch.load(
         tmp_path / "carry" / "checkpoints" / "step_3" / "stream_cache_rank0.pt", weights_only=False, map_location="cpu"
     )
@@ -119,18 +122,18 @@ def test_streaming_training_carries_the_memory_across_steps(tmp_path):
     assert layer.mem.shape[:2] == (2, 16) and not layer.mem.requires_grad  # full memory, detached
     assert layer.c_mem.shape[1] > 0  # compression has started
     # the memory is used: without carrying it, the same data gives other weights
-    run(tmp_path / "fresh", "--max_steps", "3", "--no-carry_cache")
+    run(tmp_path / "fresh", play_file, "--max_steps", "3", "--no-carry_cache")
     a, b = weights(tmp_path / "carry"), weights(tmp_path / "fresh")
     assert any(not torch.equal(a[n], b[n]) for n in a)
 
 
-def test_streamed_rows_are_contiguous_text_and_the_model_reads_its_memory():
+def test_streamed_rows_are_contiguous_text_and_the_model_reads_its_memory(play_file):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import longrange  # noqa: F401
     from longrange.data import StreamBatcher
 
-    raw = SHAKESPEARE.read_bytes()[:20_000]
+    raw = play_file.read_bytes()[:20_000]
     batcher = StreamBatcher(np.frombuffer(raw, dtype=np.uint8).astype(np.int64), 32, 2)
     first, second = batcher.batch(0), batcher.batch(1)
     lane = len(raw) // 2
@@ -149,9 +152,9 @@ def test_streamed_rows_are_contiguous_text_and_the_model_reads_its_memory():
     torch.testing.assert_close(with_memory, together, rtol=1e-4, atol=1e-4)
 
 
-def test_bad_window_and_bad_data_fail_before_training(tmp_path):
+def test_bad_window_and_bad_data_fail_before_training(tmp_path, play_file):
     with pytest.raises(ValueError, match="shorter than one segment_length"):
-        run(tmp_path / "w", "--max_steps", "1", "--window", "8")
+        run(tmp_path / "w", play_file, "--max_steps", "1", "--window", "8")
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         train.main(["--data", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "m"), "--max_steps", "1"])
     (tmp_path / "empty.txt").write_bytes(b"")
@@ -181,7 +184,7 @@ def test_main_job_command_writes_folder_plot_and_samples(tmp_path):
     out = tmp_path / "main-job"
     cmd = [sys.executable, "scripts/train.py", "--max_steps", "3", "--eval_tokens", "4096", "--sample_tokens", "24",
            "--output_dir", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = out / "model"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
@@ -203,15 +206,15 @@ def test_main_job_command_writes_folder_plot_and_samples(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["compressive", "sinkhorn"])
-def test_two_processes_equal_one_process_with_accumulation(tmp_path, model):
-    args = ["scripts/train.py", "--model", model, "--data", str(SHAKESPEARE), "--window", "32", "--batch_size", "2",
+def test_two_processes_equal_one_process_with_accumulation(tmp_path, play_file, model):
+    args = ["scripts/train.py", "--model", model, "--data", str(play_file), "--window", "32", "--batch_size", "2",
             "--max_steps", "3", "--eval_every", "0", "--eval_tokens", "1024", "--num_samples", "0", "--cpu",
             "--learning_rate", "3e-3", "--config", *TINY[model]]  # fmt: skip
     # `--multi_gpu` selects accelerate's torchrun launcher (two real processes); the script's `--cpu` makes them CPU
     # processes joined by gloo. (`accelerate launch --cpu --num_processes 2` would need mpirun.)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    env = {**ENV, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    env = {**child_env(), "ACCELERATE_USE_CPU": "1"}
     two = subprocess.run([*launch, *args, "--output_dir", str(tmp_path / "two")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
