@@ -100,6 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no")
     g.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is present")
     g.add_argument(
+        "--compile",
+        action="store_true",
+        help="train the model compiled with torch.compile (inductor, graph breaks allowed): Accelerate's "
+        "TorchDynamoPlugin, as `accelerate launch --dynamo_backend inductor`; evaluation and samples run uncompiled",
+    )
+    g.add_argument(
         "--num_threads",
         type=int,
         default=1,
@@ -202,7 +208,7 @@ def checkpoint_dirs(output_dir: Path) -> list[Path]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from accelerate import Accelerator, DistributedDataParallelKwargs
-    from accelerate.utils import set_seed
+    from accelerate.utils import TorchDynamoPlugin, set_seed
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -229,6 +235,8 @@ def main(argv=None) -> dict:
         project_dir=str(output_dir),
         # the compression network only gets gradients once memories overflow; DDP must tolerate unused parameters
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+        # None: Accelerate's own setting (`accelerate launch --dynamo_backend ...`, its config file) applies
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor") if args.compile else None,
     )
     main_process = accelerator.is_main_process
     log = accelerator.print
@@ -354,7 +362,8 @@ def main(argv=None) -> dict:
         if args.eval_every and (state.step % args.eval_every == 0 or state.step == args.max_steps):
             if main_process:
                 last_eval = evaluate_stream(
-                    accelerator.unwrap_model(model), eval_batches, carry_cache=carries_cache(config),
+                    accelerator.unwrap_model(model, keep_torch_compile=False), eval_batches,
+                    carry_cache=carries_cache(config),
                     bytes_per_token=streams.bytes_per_token("validation"),
                     chars_per_token=streams.chars_per_token("validation"),
                 )  # fmt: skip
@@ -370,14 +379,14 @@ def main(argv=None) -> dict:
     bar.close()
     elapsed = time.perf_counter() - started
     save_checkpoint()
-    replica_diff = replica_difference(accelerator, accelerator.unwrap_model(model))
+    replica_diff = replica_difference(accelerator, accelerator.unwrap_model(model, keep_torch_compile=False))
 
     # ---- final artefacts -----------------------------------------------------------------------------------------
     result = {"output_dir": str(output_dir), "steps": state.step, "parameters": n_params}
     if world > 1:
         log(f"replicas: largest difference between the processes' weight fingerprints {replica_diff:.3g}")
     if main_process:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         final = output_dir / "model"
         unwrapped.save_pretrained(final)
         tokenizer.save_pretrained(final)
