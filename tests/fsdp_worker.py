@@ -4,8 +4,9 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/fsdp_worker.py ... --out two.pt
 
 Every process draws the same global batches; under FSDP each rank trains on its own rows of each batch, and the
-decoder layers are wrapped the way transformers' and Accelerate's auto-wrapping does it: every module whose class
-is named in the model's `_no_split_modules` becomes an FSDP unit (`fully_shard`), then the root. Rank 0 (or the
+FSDP units are chosen by Accelerate's FSDP2 auto-wrapping from an Accelerate config file (`--accelerate_config`):
+with `TRANSFORMER_BASED_WRAP` every module whose class is named in the model's `_no_split_modules` becomes an FSDP
+unit (`fully_shard`), then the root; with `NO_WRAP` the root alone. Rank 0 (or the
 single process) saves {"losses": the global mean loss of every step, "weights": the full trained weights}.
 """
 
@@ -19,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 TINY = {
     "compressive": dict(
@@ -40,8 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="global rows per step")
     parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--wrap", choices=("layers", "root"), default="layers",
-                        help="FSDP units: each decoder layer and the root (auto-wrapping), or the root alone")  # fmt: skip
+    parser.add_argument("--accelerate_config", default="configs/accelerate/fsdp.yaml",
+                        help="Accelerate config file whose fsdp_auto_wrap_policy chooses the FSDP units")  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -64,13 +66,20 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(args.model, **fields))
     names = [name for name, _ in model.named_parameters()]
     if distributed:
+        from accelerate.commands.config.config_args import load_config_from_file
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
         from torch.distributed.fsdp import fully_shard
 
-        if args.wrap == "layers":
-            units = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+        fsdp_config = load_config_from_file(str(REPO / args.accelerate_config)).fsdp_config
+        assert fsdp_config["fsdp_version"] == 2, fsdp_config
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=fsdp_config["fsdp_auto_wrap_policy"])
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)  # Accelerate's FSDP2 auto-wrapping
+        units = [m for m in model.modules() if policy is not None and policy(m) and m is not model]
+        if fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP":  # by the model's `_no_split_modules`
             assert len(units) == model.config.num_hidden_layers, (model._no_split_modules, len(units))
-            for unit in units:
-                fully_shard(unit)
+        for unit in units:
+            fully_shard(unit)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.randint(0, 256, (args.steps, args.batch, args.length), generator=torch.Generator().manual_seed(1))

@@ -1,7 +1,7 @@
 """Fully sharded data parallel (FSDP2, `fully_shard`) on CPU processes joined by gloo.
 
 Accelerate selects FSDP only on accelerators, so these tests shard the models with torch's `fully_shard` directly,
-the way Accelerate's FSDP2 auto-wrapping does (`tests/fsdp_worker.py`): two processes, each training on its half of
+with the units that Accelerate's FSDP2 auto-wrapping picks from our config files (`tests/fsdp_worker.py`): two processes, each training on its half of
 every batch, must follow the loss trajectory of one process training on whole batches, and end with its weights.
 """
 
@@ -42,20 +42,34 @@ def assert_same_training(one: Path, two: Path) -> None:
 
 @pytest.mark.slow  # two process launches per case: ~30 s each on a loaded 2-core machine
 @pytest.mark.parametrize(
-    "model,wrap,config",
+    "model,accelerate_config,config",
     [
-        ("sinkhorn", "layers", []),  # each SinkhornLayer (`_no_split_modules`) one FSDP unit, then the root
-        ("sinkhorn", "root", ["reversible=True"]),  # reversible layers: the root as the one unit
-        ("compressive", "root", []),  # the Compressive model: the root as the one unit (see the README)
+        ("sinkhorn", "fsdp.yaml", []),  # each SinkhornLayer (`_no_split_modules`) one FSDP unit, then the root
+        ("sinkhorn", "fsdp_root.yaml", ["reversible=True"]),  # reversible layers: the root as the one unit
+        ("compressive", "fsdp_root.yaml", []),  # the Compressive model: the root as the one unit (see the README)
     ],
 )
-def test_two_fsdp_processes_train_like_one_process(tmp_path, model, wrap, config):
+def test_two_fsdp_processes_train_like_one_process(tmp_path, model, accelerate_config, config):
     common = ["--model", model, "--config", *config]
     one = train(tmp_path / "one.pt", *common)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = train(tmp_path / "two.pt", *common, "--wrap", wrap, processes=2)
+    two = train(tmp_path / "two.pt", *common, "--accelerate_config", f"configs/accelerate/{accelerate_config}",
+                processes=2)  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_training(tmp_path / "one.pt", tmp_path / "two.pt")
+
+
+@pytest.mark.parametrize("name", ["ddp.yaml", "fsdp.yaml", "fsdp_root.yaml"])
+def test_accelerate_config_files_load(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    config = load_config_from_file(str(REPO / "configs" / "accelerate" / name))
+    assert config.num_processes == 2 and config.mixed_precision == "no"
+    if name == "ddp.yaml":
+        assert config.distributed_type == DistributedType.MULTI_GPU
+    else:
+        assert config.distributed_type == DistributedType.FSDP and config.fsdp_config["fsdp_version"] == 2
 
 
 def test_reversible_layers_refuse_per_layer_fsdp_units_clearly(tmp_path):
