@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import platform
 import re
@@ -50,10 +51,22 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(REPO))
-import benchmark_compressive  # noqa: E402
-import benchmark_sinkhorn  # noqa: E402
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _sibling(name: str):
+    """A script of this folder as a module, without putting scripts/ on sys.path (its evaluate.py would shadow the
+    `evaluate` library)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark_compressive = _sibling("benchmark_compressive")
+benchmark_sinkhorn = _sibling("benchmark_sinkhorn")
 
 # ----------------------------------------------------------------------------------------------------------
 # sizes and rows
