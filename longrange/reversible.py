@@ -200,6 +200,26 @@ class _ReversibleFunction(torch.autograd.Function):
         return dy1, dy2, None, *param_grads, *kwarg_grads
 
 
+def _refuse_sharded_parameters(blocks: list[tuple[nn.Module, nn.Module]]) -> None:
+    """FSDP (`fully_shard`) gathers a wrapped module's parameters only around that module's own forward and backward;
+    the stack calls the blocks directly and recomputes them in its backward, so inside a per-layer FSDP unit it would
+    see parameter shards. Refuse clearly instead of failing deep inside an operator."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without torch.distributed has no sharded parameters
+        return
+    for f, g in blocks:
+        for name, param in [*f.named_parameters(), *g.named_parameters()]:
+            if isinstance(param, DTensor):
+                raise RuntimeError(
+                    f"reversible layers cannot run on sharded parameters ({name} is a DTensor shard): FSDP units "
+                    "around the layers (auto-wrapping by `_no_split_modules`) gather parameters only inside the "
+                    "layer's own forward, which the reversible stack bypasses. Train with reversible=False "
+                    "(gradient checkpointing also saves activation memory) or shard only the root module "
+                    "(Accelerate: fsdp_auto_wrap_policy NO_WRAP)"
+                )
+
+
 class ReversibleSequence(nn.Module):
     """A stack of reversible blocks y1 = x1 + f(x2), y2 = x2 + g(y1), trained without storing activations.
 
@@ -229,6 +249,7 @@ class ReversibleSequence(nn.Module):
         if len(skip) != len(self.blocks):
             raise ValueError(f"skip has {len(skip)} entries, expected one per block ({len(self.blocks)})")
         blocks = [(pair[0], pair[1]) for pair in self.blocks]
+        _refuse_sharded_parameters(blocks)
 
         if not torch.is_grad_enabled():
             for (f, g), skipped in zip(blocks, skip):

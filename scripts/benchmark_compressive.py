@@ -21,6 +21,7 @@ Both wall-clock and process-CPU rates are reported; on a shared machine the CPU-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -94,16 +95,25 @@ def build(args, sides=("ours", "reference")):
     return ours, reference
 
 
-def train_step_ours(model, optimizer, batch):
-    out = model(batch, labels=batch)
+def train_step_ours(model, optimizer, batch, forward_context=contextlib.nullcontext):
+    """`forward_context`: entered around the forward only (e.g. autocast); the backward runs outside it."""
+    with forward_context():
+        out = model(batch, labels=batch)
     out.loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def train_step_reference(wrapper, optimizer, batch):
-    # the wrapper shifts internally (input x[:, :-1], target x[:, 1:]): give it one more token
-    for loss, aux_loss, _ in wrapper(batch, return_loss=True):
+def train_step_reference(wrapper, optimizer, batch, forward_context=contextlib.nullcontext):
+    # the wrapper shifts internally (input x[:, :-1], target x[:, 1:]): give it one more token. It yields one loss
+    # per segment; each segment's forward runs inside `forward_context`, its backward outside, as for ours.
+    segments = wrapper(batch, return_loss=True)
+    while True:
+        with forward_context():
+            losses = next(segments, None)
+        if losses is None:
+            break
+        loss, aux_loss, _ = losses
         (loss + aux_loss).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

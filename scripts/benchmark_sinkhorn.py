@@ -129,6 +129,15 @@ def build(impl: str, opts: dict, for_mlm: bool = False):
     return model, forward
 
 
+def lm_loss(logits, ids, causal: bool):
+    """The loss both sides are trained on: next-token (causal) or same-token cross-entropy of [batch, seq, vocab]."""
+    import torch.nn.functional as F
+
+    if causal:
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
 def rss_kib(field: str = "VmRSS") -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -177,7 +186,6 @@ class PeakMeter:
 
 def worker_train(spec: dict) -> dict:
     import torch
-    import torch.nn.functional as F
 
     causal = spec["opts"]["causal"]
     model, forward = build(spec["impl"], spec["opts"], for_mlm=not causal)
@@ -187,11 +195,7 @@ def worker_train(spec: dict) -> dict:
     ids = torch.randint(0, spec["opts"]["num_tokens"], (spec["batch"], spec["length"]), generator=gen)
 
     def step():
-        logits = forward(ids)  # [batch, seq, vocab]
-        if causal:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        else:
-            loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss = lm_loss(forward(ids), ids, causal)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

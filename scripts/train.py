@@ -100,6 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no")
     g.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is present")
     g.add_argument(
+        "--compile",
+        action="store_true",
+        help="train the model compiled with torch.compile (inductor, graph breaks allowed): Accelerate's "
+        "TorchDynamoPlugin, as `accelerate launch --dynamo_backend inductor`; evaluation and samples run uncompiled",
+    )
+    g.add_argument(
         "--num_threads",
         type=int,
         default=1,
@@ -197,7 +203,7 @@ def checkpoint_dirs(output_dir: Path) -> list[Path]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from accelerate import Accelerator, DistributedDataParallelKwargs
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, TorchDynamoPlugin, set_seed
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -224,6 +230,8 @@ def main(argv=None) -> dict:
         project_dir=str(output_dir),
         # the compression network only gets gradients once memories overflow; DDP must tolerate unused parameters
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+        # None: Accelerate's own setting (`accelerate launch --dynamo_backend ...`, its config file) applies
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor") if args.compile else None,
     )
     main_process = accelerator.is_main_process
     log = accelerator.print
@@ -266,6 +274,17 @@ def main(argv=None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, args.max_steps, args.min_lr_ratio))
     # The scheduler is stepped by hand once per optimizer step (a prepared scheduler would step once per process).
     model, optimizer = accelerator.prepare(model, optimizer)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if (
+        fsdp
+        and args.model == "compressive"
+        and any(is_fsdp_unit(m) for m in accelerator.unwrap_model(model).model.layers)
+    ):
+        raise SystemExit(
+            "FSDP: the Compressive model uses its decoder layers' projections outside the layers' own forward, so it "
+            "cannot have one FSDP unit per layer; shard the root alone: --config_file configs/accelerate/fsdp_root.yaml "
+            "(fsdp_auto_wrap_policy: NO_WRAP)"
+        )
     state = TrainState()
     accelerator.register_for_checkpointing(scheduler, state)
     caches: list = [None] * accumulation  # one carried memory per accumulation micro-step (= its rows)
@@ -347,17 +366,19 @@ def main(argv=None) -> dict:
         bar.update(1)
 
         if args.eval_every and (state.step % args.eval_every == 0 or state.step == args.max_steps):
-            if main_process:
+            if main_process or fsdp:  # under FSDP every process takes part in the forward's parameter gathering
                 last_eval = evaluate_stream(
-                    accelerator.unwrap_model(model), eval_batches, carry_cache=carries_cache(config),
+                    accelerator.unwrap_model(model, keep_torch_compile=False), eval_batches,
+                    carry_cache=carries_cache(config),
                     bytes_per_token=streams.bytes_per_token("validation"),
                     chars_per_token=streams.chars_per_token("validation"),
                 )  # fmt: skip
                 state.history["validation"].append({"step": state.step, **last_eval})
-                bar.write(
-                    f"step {state.step}: validation loss {last_eval['loss']:.4f}, ppl {last_eval['perplexity']:.2f}, "
-                    f"{last_eval['bits_per_byte']:.4f} bits/byte, {last_eval['bits_per_char']:.4f} bits/char"
-                )
+                if main_process:
+                    bar.write(
+                        f"step {state.step}: validation loss {last_eval['loss']:.4f}, ppl {last_eval['perplexity']:.2f}, "
+                        f"{last_eval['bits_per_byte']:.4f} bits/byte, {last_eval['bits_per_char']:.4f} bits/char"
+                    )
                 accelerator.log({f"validation/{k}": v for k, v in last_eval.items()}, state.step)
             accelerator.wait_for_everyone()
         if args.save_every and state.step % args.save_every == 0 and state.step < args.max_steps:
@@ -365,14 +386,22 @@ def main(argv=None) -> dict:
     bar.close()
     elapsed = time.perf_counter() - started
     save_checkpoint()
-    replica_diff = replica_difference(accelerator, accelerator.unwrap_model(model))
+    # FSDP: each process holds shards, so there are no replicas to compare; the whole weights are gathered instead
+    replica_diff = (
+        None if fsdp else replica_difference(accelerator, accelerator.unwrap_model(model, keep_torch_compile=False))
+    )
+    full_state = accelerator.get_state_dict(model) if fsdp else None  # a collective: every process calls it
 
     # ---- final artefacts -----------------------------------------------------------------------------------------
     result = {"output_dir": str(output_dir), "steps": state.step, "parameters": n_params}
-    if world > 1:
+    if replica_diff is not None and world > 1:
         log(f"replicas: largest difference between the processes' weight fingerprints {replica_diff:.3g}")
     if main_process:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        if fsdp:  # evaluation and samples below run on this process alone: a plain model with the gathered weights
+            unwrapped = AutoModelForCausalLM.from_config(config)
+            unwrapped.load_state_dict(full_state)
+            unwrapped.to(accelerator.device)
         final = output_dir / "model"
         unwrapped.save_pretrained(final)
         tokenizer.save_pretrained(final)
@@ -416,6 +445,13 @@ def main(argv=None) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
+
+
+def is_fsdp_unit(module) -> bool:
+    """Whether FSDP (FSDP2's `fully_shard` or FSDP1's wrapper) made `module` a unit of its own."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
 
 
 @torch.no_grad()

@@ -236,3 +236,22 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_the_floor():
     expected = {0: 0.25, 1: 0.5, 3: 1.0, 4: 1.0, 12: 0.55, 20: 0.1, 30: 0.1}
     for step, value in expected.items():
         assert factor(step) == pytest.approx(value), step
+
+
+@pytest.mark.slow  # inductor compiles forward and backward on the CPU: minutes on 2 busy cores
+def test_compiled_training_matches_eager_training(tmp_path):
+    # the Compressive model: streaming, its memory carried from step to step through the compiled forward
+    model = "compressive"
+    from torch._dynamo.utils import counters
+
+    common = ["--max_steps", "2", "--save_every", "0", "--batch_size", "2"]
+    run(tmp_path / "eager", *common, model=model)
+    torch._dynamo.reset()
+    counters.clear()
+    run(tmp_path / "compiled", *common, "--compile", model=model)
+    assert counters["stats"]["unique_graphs"] >= 1  # the training step really went through torch.compile
+    torch._dynamo.reset()
+    a, b = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
+    assert a.keys() == b.keys()  # saved from the uncompiled module: no `_orig_mod.` prefixes
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)

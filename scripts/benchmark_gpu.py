@@ -1,0 +1,552 @@
+"""Training speed and memory on one device: longrange vs the reference packages vs transformers' Llama (SDPA).
+
+    python scripts/benchmark_gpu.py                                  # the issue's sizes, on CUDA when present
+    python scripts/benchmark_gpu.py --quick --device cpu --out /tmp/gpu_quick.json   # tiny smoke run (CI)
+    python scripts/benchmark_gpu.py --rows 'sinkhorn/.*/bf16'        # a subset (regular expression on row ids)
+
+Rows (the table of issue 9; the model sizes are those of `benchmark_compressive.py` / `benchmark_sinkhorn.py`,
+whose builders and training steps are reused here, so both sides get the same configurations as on the CPU):
+- compressive: longrange `CompressiveForCausalLM` and compressive-transformer-pytorch 0.4.0 (its
+  `AutoregressiveWrapper`, one backward per segment as in its README); hidden 512, 6 layers, 8 heads, segment 512,
+  memory 512, compressed memory 128, rate 4; batch 8 x 2,048 tokens.
+- sinkhorn: longrange `SinkhornForCausalLM` and sinkhorn-transformer 0.11.4 `SinkhornTransformerLM` (causal, same
+  option dict); hidden 512, 6 layers, 8 heads, bucket 128; batch 8 x 2,048, and in bf16 also 2 x 8,192 and
+  1 x 32,768.
+- llama: transformers' `LlamaForCausalLM` with `attn_implementation="sdpa"`, same width, depth and heads, SwiGLU
+  feed-forward of width 8/3 x hidden (rounded to 64: the parameters and FLOPs of the others' 4 x hidden MLP), at
+  every (batch, length) above.
+Each in `tf32` (fp32 weights, TF32 matrix products; `fp32` on the CPU) and `bf16` (fp32 weights, forward under
+`torch.autocast(bfloat16)`, backward outside it), `eager` and `compiled` (`model.compile()`, inductor by default).
+
+Method: all rows run in this process, one after the other (eager rows first, then compiled rows in priority
+order), each with a fresh model, AdamW and `torch._dynamo.reset()`. Per row: `--warmup` steps (the first of a
+compiled row includes compilation: reported as `compile_s` = warm-up time - warm-up steps x median step), then
+`--steps` timed steps, each between `torch.cuda.synchronize()` calls; tokens/s = batch x length / median step time.
+Peak memory on CUDA: `torch.cuda.max_memory_allocated()` over the timed steps (weights, optimizer state,
+gradients and activations); on the CPU: the resident-set increase of one extra step (`benchmark_sinkhorn.PeakMeter`).
+One more step runs under `torch.profiler`: kernels launched per step on CUDA (device-side events other than
+memcpy / memset), ATen operators dispatched on the CPU, and `_local_scalar_dense` calls (scalar reads to the host).
+A row that fails (the reference's bf16 crash, a compile error, out of memory, its time limit) records
+`"error": "..."` and the run goes on. The whole run stops starting rows once `--budget` seconds are spent (the rest
+are recorded as skipped), and `--out` is rewritten after every row, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import json
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _sibling(name: str):
+    """A script of this folder as a module, without putting scripts/ on sys.path (its evaluate.py would shadow the
+    `evaluate` library)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark_compressive = _sibling("benchmark_compressive")
+benchmark_sinkhorn = _sibling("benchmark_sinkhorn")
+
+# ----------------------------------------------------------------------------------------------------------
+# sizes and rows
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        width = dict(hidden=64, layers=2, heads=4)
+        return dict(
+            width=width,
+            compressive=dict(segment=32, mem=32, c_mem=8, rate=4, shape=(2, 64)),
+            sinkhorn=dict(bucket=16, shapes={"tf32": [(2, 64)], "bf16": [(2, 64), (1, 128)]}),
+        )
+    width = dict(hidden=512, layers=6, heads=8)
+    return dict(
+        width=width,
+        compressive=dict(segment=512, mem=512, c_mem=128, rate=4, shape=(8, 2048)),
+        sinkhorn=dict(bucket=128, shapes={"tf32": [(8, 2048)], "bf16": [(8, 2048), (2, 8192), (1, 32768)]}),
+    )
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str  # compressive | sinkhorn | llama
+    side: str  # ours | reference | llama
+    precision: str  # tf32 | bf16
+    mode: str  # eager | compiled
+    batch: int
+    length: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}/{self.side}/{self.precision}/{self.mode}/{self.batch}x{self.length}"
+
+
+def plan(size: dict) -> list[Row]:
+    """Every row, eager ones first, then compiled ones: ours and Llama at the first shape first, references last."""
+    by_mode = {}
+    for mode in ("eager", "compiled"):
+        rows = []
+        for precision in ("bf16", "tf32"):
+            b, n = size["compressive"]["shape"]
+            rows += [Row("compressive", side, precision, mode, b, n) for side in ("ours", "reference")]
+            shapes = size["sinkhorn"]["shapes"][precision]
+            for b, n in shapes:
+                rows += [Row("sinkhorn", side, precision, mode, b, n) for side in ("ours", "reference")]
+            # Llama at every shape of the others (the Compressive and the first Sinkhorn shape coincide)
+            for b, n in dict.fromkeys([size["compressive"]["shape"], *shapes]):
+                rows.append(Row("llama", "llama", precision, mode, b, n))
+        by_mode[mode] = rows
+    first = size["sinkhorn"]["shapes"]["bf16"][0]
+
+    def priority(row: Row) -> tuple:
+        return (row.side == "reference", (row.batch, row.length) != first, row.precision != "bf16")
+
+    return by_mode["eager"] + sorted(by_mode["compiled"], key=priority)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building one row's model and training step
+
+
+def llama_intermediate(hidden: int) -> int:
+    """SwiGLU width with the parameters and FLOPs of a 4 x hidden two-matrix MLP: 8/3 x hidden, rounded to 64."""
+    return max(64, round(8 * hidden / 3 / 64) * 64)
+
+
+def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict | None):
+    """(model, step function, inputs) for one row. The step runs forward (inside autocast for bf16), backward
+    (outside it), AdamW and zero_grad, like the CPU benchmarks' steps."""
+    width = size["width"]
+    torch.manual_seed(0)
+    forward_context = contextlib.nullcontext
+    if row.precision == "bf16":
+
+        def forward_context():
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+
+    ids = torch.randint(0, 256, (row.batch, row.length + 1), generator=torch.Generator().manual_seed(1)).to(device)
+    if row.family == "compressive":
+        c = size["compressive"]
+        args = argparse.Namespace(
+            hidden=width["hidden"], layers=width["layers"], heads=width["heads"], segment=c["segment"],
+            mem=c["mem"], c_mem=c["c_mem"], rate=c["rate"], reference_gru=False,
+        )  # fmt: skip
+        ours, reference = benchmark_compressive.build(args, sides=(row.side,))
+        model = (ours if row.side == "ours" else reference).to(device)
+        if compile_kwargs is not None:  # the reference's wrapper loops over segments in Python: compile its network
+            (model if row.side == "ours" else model.net).compile(**compile_kwargs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if row.side == "ours":
+            inputs = ids[:, : row.length]
+
+            def step():
+                benchmark_compressive.train_step_ours(model, optimizer, inputs, forward_context)
+        else:
+
+            def step():  # the wrapper shifts internally: it takes one token more
+                benchmark_compressive.train_step_reference(model, optimizer, ids, forward_context)
+
+        return model, step
+    inputs = ids[:, : row.length]
+    if row.family == "sinkhorn":
+        s = size["sinkhorn"]
+        opts = dict(
+            num_tokens=256, dim=width["hidden"], depth=width["layers"], heads=width["heads"], bucket_size=s["bucket"],
+            **benchmark_sinkhorn.COMMON, causal=True, max_seq_len=row.length,
+        )  # fmt: skip
+        model, forward = benchmark_sinkhorn.build("ours" if row.side == "ours" else "ref", opts)
+
+        def loss_of():
+            return benchmark_sinkhorn.lm_loss(forward(inputs), inputs, True)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=256, hidden_size=width["hidden"], num_hidden_layers=width["layers"],
+            num_attention_heads=width["heads"], num_key_value_heads=width["heads"],
+            intermediate_size=llama_intermediate(width["hidden"]), max_position_embeddings=row.length,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        model = LlamaForCausalLM(config)
+        if model.config._attn_implementation != "sdpa":
+            raise RuntimeError(f"Llama built with attn_implementation={model.config._attn_implementation!r}")
+
+        def loss_of():
+            return model(input_ids=inputs, labels=inputs).loss
+
+    model.to(device)
+    if compile_kwargs is not None:
+        model.compile(**compile_kwargs)  # in place: `model(...)`, and so `forward` above, runs the compiled module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        with forward_context():
+            loss = loss_of()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+# ----------------------------------------------------------------------------------------------------------
+# measuring one row
+
+
+class RowTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise RowTimeout in this (main) thread after `seconds` (checked whenever Python code runs)."""
+
+    def expire(signum, frame):
+        raise RowTimeout(f"row exceeded its time limit of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1.0))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def profile_step(step, device: torch.device) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    events = prof.events()
+    out = {
+        "aten_ops_per_step": sum(e.name.startswith("aten::") and e.device_type == DeviceType.CPU for e in events),
+        "scalar_reads_per_step": sum(e.name == "aten::_local_scalar_dense" for e in events),
+    }
+    if device.type == "cuda":
+        out["kernels_per_step"] = sum(
+            e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset")) for e in events
+        )
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(row: Row, size: dict, device: torch.device, args, compile_kwargs: dict | None) -> dict:
+    result: dict = {}
+    model, step = build_step(row, size, device, compile_kwargs)
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    model.train()
+    sync(device)
+    start = time.perf_counter()
+    step()
+    sync(device)
+    result["first_step_s"] = time.perf_counter() - start
+    for _ in range(args.warmup - 1):
+        step()
+    sync(device)
+    warmup_s = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    result.update(step_s=times, median_step_s=median, tokens_per_s=row.batch * row.length / median)
+    if compile_kwargs is not None:
+        result["compile_s"] = max(0.0, warmup_s - args.warmup * median)
+    if device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        with benchmark_sinkhorn.PeakMeter() as meter:
+            step()
+        result["peak_step_rss_mib"] = meter.peak_mib
+    if args.profile:
+        result.update(profile_step(step, device))
+    return result
+
+
+def cleanup(device: torch.device) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def describe_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = next((line for line in text if line.strip()), "")
+    return f"error: {type(exc).__name__}: {first[:500]}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# comparisons, table, metadata
+
+
+def ratios(results: dict[str, dict]) -> dict[str, dict]:
+    """For each of our rows: ours / reference and ours / Llama, per mode (same precision, batch and length), and
+    the best of either mode over the best of the other's (both when measured)."""
+
+    def rate(row_id):
+        r = results.get(row_id, {})
+        return r.get("tokens_per_s")
+
+    out = {}
+    for row_id, result in results.items():
+        row = Row(**result["row"])
+        if row.side != "ours":
+            continue
+        shape = f"{row.batch}x{row.length}"
+        entry = {}
+        for other, other_side in (("reference", row.family + "/reference"), ("llama", "llama/llama")):
+            per_mode = {}
+            for mode in ("eager", "compiled"):
+                a, b = (
+                    rate(f"{row.family}/ours/{row.precision}/{mode}/{shape}"),
+                    rate(f"{other_side}/{row.precision}/{mode}/{shape}"),
+                )
+                per_mode[mode] = a / b if a and b else None
+            ours_best = [rate(f"{row.family}/ours/{row.precision}/{m}/{shape}") for m in ("eager", "compiled")]
+            other_best = [rate(f"{other_side}/{row.precision}/{m}/{shape}") for m in ("eager", "compiled")]
+            ours_best, other_best = [v for v in ours_best if v], [v for v in other_best if v]
+            per_mode["best"] = max(ours_best) / max(other_best) if ours_best and other_best else None
+            entry[f"speed_vs_{other}"] = per_mode
+            ref = results.get(f"{other_side}/{row.precision}/{row.mode}/{shape}", {})
+            mine = result.get("peak_memory_gib")
+            if other == "reference" and mine and ref.get("peak_memory_gib"):
+                entry["memory_vs_reference"] = mine / ref["peak_memory_gib"]
+        out[row_id] = entry
+    return out
+
+
+def targets(compared: dict[str, dict], size: dict) -> list[dict]:
+    """Issue 9's targets, each from the best of eager / compiled on both sides (None where a side is missing)."""
+    c, shapes = size["compressive"]["shape"], size["sinkhorn"]["shapes"]["bf16"]
+    checks = [
+        ("compressive", "tf32", c, "speed_vs_reference", ">=", 1.3),
+        ("compressive", "bf16", c, "speed_vs_reference", ">=", 1.3),
+        ("compressive", "tf32", c, "memory_vs_reference", "<=", 1.0),
+        ("sinkhorn", "tf32", size["sinkhorn"]["shapes"]["tf32"][0], "speed_vs_reference", ">=", 1.4),
+    ]
+    checks += [
+        ("sinkhorn", "bf16", shape, "speed_vs_llama", ">=", bound) for shape, bound in zip(shapes, (0.8, 1, 1.5))
+    ]
+    out = []
+    for family, precision, (batch, length), key, relation, bound in checks:
+        entry = compared.get(f"{family}/ours/{precision}/eager/{batch}x{length}", {}).get(key)
+        value = entry.get("best") if isinstance(entry, dict) else entry
+        met = None if value is None else (value >= bound if relation == ">=" else value <= bound)
+        name = f"{family} {precision} {batch}x{length} {key} {relation} {bound}"
+        out.append({"target": name, "value": value, "met": met})
+    return out
+
+
+def fmt(value, spec=",.0f", empty="") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def table(results: dict[str, dict], compared: dict[str, dict], device: torch.device) -> str:
+    memory_key, memory_label = (
+        ("peak_memory_gib", "peak memory GiB") if device.type == "cuda" else ("peak_step_rss_mib", "step RSS MiB")
+    )
+    ops_key, ops_label = (
+        ("kernels_per_step", "kernels/step") if device.type == "cuda" else ("aten_ops_per_step", "ATen ops/step")
+    )
+    lines = [
+        f"| row | tokens/s | {memory_label} | {ops_label} | scalar reads/step | compile s | ours/reference | "
+        "ours/llama | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row_id, r in results.items():
+        c = compared.get(row_id, {})
+        mode = r["row"]["mode"]
+        vs_ref = c.get("speed_vs_reference", {}).get(mode)
+        vs_llama = c.get("speed_vs_llama", {}).get(mode)
+        note = r.get("error") or r.get("skipped") or ""
+        lines.append(
+            f"| {row_id} | {fmt(r.get('tokens_per_s'))} | {fmt(r.get(memory_key), '.2f')} | {fmt(r.get(ops_key))} | "
+            f"{fmt(r.get('scalar_reads_per_step'))} | {fmt(r.get('compile_s'), '.1f')} | {fmt(vs_ref, '.2f')} | "
+            f"{fmt(vs_llama, '.2f')} | {note.replace('|', '/')} |"
+        )
+    return "\n".join(lines)
+
+
+def metadata(device: torch.device) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import transformers
+
+    packages = {}
+    for name in ("sinkhorn-transformer", "compressive-transformer-pytorch", "accelerate"):
+        try:
+            packages[name] = version(name)
+        except PackageNotFoundError:
+            packages[name] = None
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "packages": packages,
+        "longrange_commit": commit,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 warm-up + 2 timed steps; compiled rows "
+                        "only for ours and Llama in bf16 at the first shape (a CPU smoke run)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None, help="JSON to write (default docs/benchmarks/gpu.json; "
+                        "none with --quick)")  # fmt: skip
+    parser.add_argument("--rows", default=None, help="regular expression: run only the rows whose id it matches")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (default 3; quick 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10; quick 2)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step")
+    parser.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend (default inductor; with --quick on the CPU aot_eager, which traces with "
+        "dynamo and AOTAutograd as inductor does but skips its C++ code generation, minutes on a small CPU)",
+    )
+    parser.add_argument("--fullgraph", action="store_true", help="compile with fullgraph=True (graph breaks fail)")
+    parser.add_argument("--no-compiled", dest="compiled", action="store_false", help="eager rows only")
+    parser.add_argument("--budget", type=float, default=None, help="seconds after which no row starts (default "
+                        "420; quick 600)")  # fmt: skip
+    parser.add_argument("--row-timeout", type=float, default=None, help="seconds one row may take (default 150)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (0: torch's default; "
+                        "default 1 with --quick on the CPU, as the CPU benchmarks, else 0)")  # fmt: skip
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.steps = args.steps if args.steps is not None else (2 if args.quick else 10)
+    if args.warmup < 1 or args.steps < 1:
+        raise SystemExit("--warmup and --steps must be at least 1")
+    args.budget = args.budget if args.budget is not None else (600.0 if args.quick else 420.0)
+    if args.out is None and not args.quick:
+        args.out = REPO / "docs" / "benchmarks" / "gpu.json"
+    args.row_timeout = args.row_timeout if args.row_timeout is not None else 150.0
+    if args.compile_backend is None:
+        args.compile_backend = "aot_eager" if args.quick and device.type == "cpu" else "inductor"
+    if args.threads is None:
+        args.threads = 1 if args.quick and device.type == "cpu" else 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # tf32 rows; bf16 rows' fp32 products too
+        torch.backends.cudnn.allow_tf32 = True
+    compile_kwargs = {"backend": args.compile_backend, "fullgraph": args.fullgraph}
+
+    size = sizes(args.quick)
+    rows = [r for r in plan(size) if args.compiled or r.mode == "eager"]
+    if args.quick and not args.rows:  # a smoke run: compile only ours and Llama, bf16, at the first shape
+        first = size["compressive"]["shape"]
+        rows = [r for r in rows if r.mode == "eager" or (r.side != "reference" and r.precision == "bf16" and
+                                                          (r.batch, r.length) == first)]  # fmt: skip
+    if args.rows:
+        rows = [r for r in rows if re.search(args.rows, r.id)]
+    meta = metadata(device)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+
+    def write(final: bool) -> dict:
+        compared = ratios(results)
+        payload = {
+            **meta,
+            "settings": settings,
+            "sizes": size,
+            "llama_intermediate_size": llama_intermediate(size["width"]["hidden"]),
+            "precision_names": {
+                "tf32": "fp32 weights, TF32 products on CUDA (plain fp32 on the CPU)",
+                "bf16": "fp32 weights, forward under torch.autocast(bfloat16)",
+            },  # fmt: skip
+            "complete": final,
+            "elapsed_s": time.perf_counter() - started,
+            "rows": results,
+            "ratios": compared,
+            "targets": targets(compared, size),
+        }
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(payload, indent=1) + "\n")
+        return payload
+
+    print(f"{meta['device']} | torch {meta['torch']} | transformers {meta['transformers']} | {len(rows)} rows, "
+          f"budget {args.budget:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    for row in rows:
+        entry: dict = {"row": asdict(row)}
+        elapsed = time.perf_counter() - started
+        if elapsed >= args.budget:
+            entry["skipped"] = f"skipped: time budget of {args.budget:.0f} s spent"
+        else:
+            limit = min(args.row_timeout, args.budget - elapsed + 30)
+            t0 = time.perf_counter()
+            try:
+                with time_limit(limit):
+                    entry.update(measure(row, size, device, args, compile_kwargs if row.mode == "compiled" else None))
+            except Exception as exc:  # noqa: BLE001 - a row's failure is a result, recorded in the row
+                entry["error"] = describe_error(exc)
+            entry["row_s"] = time.perf_counter() - t0
+            cleanup(device)
+        results[row.id] = entry
+        status = entry.get("error") or entry.get("skipped") or f"{entry['tokens_per_s']:,.0f} tokens/s"
+        print(f"[{time.perf_counter() - started:5.0f} s] {row.id}: {status}", file=sys.stderr, flush=True)
+        write(final=False)
+    payload = write(final=True)
+    print(f"\n{meta['device']}; torch {meta['torch']}, transformers {meta['transformers']}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps per row; compiled: backend {args.compile_backend}, "
+          f"fullgraph={args.fullgraph}\n")  # fmt: skip
+    print(table(results, payload["ratios"], device))
+    print("\n| target (issue 9; best of eager / compiled) | value | met |\n|---|---:|---|")
+    for t in payload["targets"]:
+        print(f"| {t['target']} | {fmt(t['value'], '.2f', 'n/a')} | {t['met']} |")
+    if args.out:
+        print(f"\nwrote {args.out}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

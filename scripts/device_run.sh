@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The one prepared GPU run for issue 9: the training benchmark on one H200, the test suite on CUDA, and short
+# `train.py` runs through Accelerate (FSDP with one process, --compile). Sized for one device command (600 s at
+# most: install ~20 s + benchmark <= BENCH_BUDGET + 90 s = 360 s + tests <= 90 s + train checks <= 120 s), so that
+# a session's 15 device minutes also cover the machine's start (1-2 min) and a rerun of one phase.
+#
+# 1. Here, on a machine with PyPI (the device has none), once: download the wheels the device image lacks
+#    (the reference packages and their needs, transformers at our version, datasets / evaluate for the tests):
+#        scripts/device_run.sh fetch            # -> .whl/ (14 MB; ignored by git through .gitignore)
+# 2. On the device, through the session's device tool, carrying .whl:
+#        run(command="bash scripts/device_run.sh", carry=[".whl"], timeout_s=600)
+#    or one phase: `bash scripts/device_run.sh bench` (tests, train: likewise).
+# Results go to $OUT (bench.json, bench.log, tests.log, train.log; they come back) and docs/benchmarks/gpu.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.whl}
+BENCH_BUDGET=${BENCH_BUDGET:-270}
+OUT=${OUT:-/tmp/device-run}
+phase=${1:-all}
+
+if [ "$phase" = fetch ]; then
+    mkdir -p "$WHEELS"  # .whl/ is in .gitignore: it travels only when a run names it in `carry`
+    platforms=()
+    for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+        platforms+=(--platform "$p")
+    done
+    # pure-Python wheels; versions as installed here (setup.cfg's `bench` extra pins the references)
+    exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" -d "$WHEELS" \
+        sinkhorn-transformer==0.11.4 compressive-transformer-pytorch==0.4.0 mogrifier==0.0.5 \
+        product-key-memory==0.3.0 axial-positional-embedding==0.3.12 local-attention==1.11.2 \
+        hyper-connections==0.4.11 torch-einops-utils==0.2.0 colt5-attention==0.11.2 transformers==5.24.0 \
+        datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19
+fi
+
+mkdir -p "$OUT" docs/benchmarks
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg PYTHONUNBUFFERED=1
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="$PWD:/tmp/site"
+else
+    echo "no wheels under $WHEELS: using the installed packages (the reference rows will record import errors)"
+    export PYTHONPATH="$PWD"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
+status=0
+
+if [ "$phase" = all ] || [ "$phase" = bench ]; then
+    # the benchmark stops starting rows after BENCH_BUDGET s and rewrites its JSON after every row
+    timeout $((BENCH_BUDGET + 90)) python3 scripts/benchmark_gpu.py --device cuda --budget "$BENCH_BUDGET" \
+        --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+    [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" docs/benchmarks/gpu.json
+fi
+
+if [ "$phase" = all ] || [ "$phase" = tests ]; then
+    # the default suite: tests with CUDA variants run them here (they are skipped on CPU-only machines)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" || status=1
+fi
+
+if [ "$phase" = all ] || [ "$phase" = train ]; then
+    {
+        common=(--max_steps 20 --eval_every 10 --eval_tokens 8192 --num_samples 1 --sample_tokens 16 --num_threads 0)
+        # Accelerate's FSDP2 path (one process: the same code as on several GPUs, gathers and all)
+        timeout 30 python3 -m accelerate.commands.launch --config_file configs/accelerate/fsdp.yaml \
+            --num_processes 1 scripts/train.py --model sinkhorn "${common[@]}" --output_dir /tmp/run-fsdp-sinkhorn
+        echo "fsdp sinkhorn rc=$?"
+        timeout 30 python3 -m accelerate.commands.launch --config_file configs/accelerate/fsdp_root.yaml \
+            --num_processes 1 scripts/train.py --model compressive "${common[@]}" --output_dir /tmp/run-fsdp-compressive
+        echo "fsdp compressive rc=$?"
+        # compiled training (inductor)
+        timeout 60 python3 scripts/train.py --model sinkhorn --compile "${common[@]}" --output_dir /tmp/run-compile
+        echo "compile sinkhorn rc=$?"
+    } 2>&1 | tee "$OUT/train.log"
+    grep -q "rc=[1-9]" "$OUT/train.log" && status=1
+fi
+exit $status
