@@ -1102,6 +1102,19 @@ class SinkhornPreTrainedModel(PreTrainedModel):
         return False
 
 
+def _assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Raise ValueError(message) unless the bool tensor `condition` holds, without reading it back to the host: an
+    asynchronous device assert (on CUDA the failure surfaces at the next synchronisation; on the CPU at once), so a
+    training step never waits for the device and compiles into one graph."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(condition, message)
+        return
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError as error:
+        raise ValueError(message) from error
+
+
 def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
     if mask is not None and tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (batch, sequence), got {tuple(mask.shape)}")
@@ -1204,10 +1217,11 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings "
                 f"({config.max_position_embeddings})"
             )
-        if input_ids is not None and input_ids.numel() > 0:
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= config.vocab_size:
-                raise ValueError(f"SinkhornModel: token ids must lie in [0, {config.vocab_size}), got [{low}, {high}]")
+        if input_ids is not None:
+            _assert_on_device(
+                ((input_ids >= 0) & (input_ids < config.vocab_size)).all(),
+                f"SinkhornModel: token ids must lie in [0, {config.vocab_size}) (vocab_size)",
+            )
         if attention_mask is not None:
             if (
                 attention_mask.dim() == 2
