@@ -550,8 +550,24 @@ class CausalSinkhornHeads(nn.Module):
 
 
 def _implementation(config: SinkhornConfig) -> str:
-    impl = getattr(config, "_attn_implementation", None)
-    return impl if impl in ATTENTION_IMPLEMENTATIONS else "sdpa"
+    """The attention implementation of every head group, read from `config._attn_implementation` when the model is
+    built (transformers resolves it, from `attn_implementation=` or the config, before the modules exist; unset =
+    "sdpa", the fastest on the CPU and on CUDA alike for bucketed attention).
+
+    "sdpa": `torch.nn.functional.scaled_dot_product_attention` (fused kernels on CUDA and CPU); "eager": the
+    explicit softmax(q k^T / sqrt(d) + mask) v, same numbers."""
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if impl not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(_unsupported_attention(impl))
+    return impl
+
+
+def _unsupported_attention(impl) -> str:
+    return (
+        f"Sinkhorn: attn_implementation={impl!r} is not supported; allowed values: "
+        f"{', '.join(repr(name) for name in ATTENTION_IMPLEMENTATIONS)} (bucketed attention runs through "
+        "scaled_dot_product_attention or the explicit softmax; flash and flex attention are not available)"
+    )
 
 
 class SinkhornSelfAttention(nn.Module):
@@ -1101,6 +1117,25 @@ class SinkhornPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    # attention implementation: transformers resolves `attn_implementation` (argument or config) through these;
+    # the head groups take the result when they are built, and `set_attn_implementation` hands them a new one
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        if requested_attention is not None and requested_attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(_unsupported_attention(requested_attention))
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True
+
+    def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False) -> None:
+        super().set_attn_implementation(attn_implementation, allow_all_kernels=allow_all_kernels)
+        implementation = _implementation(self.config)
+        for module in self.modules():
+            if isinstance(module, (LocalHeads, SinkhornHeads, CausalSinkhornHeads)):
+                module.implementation = implementation
+
 
 def _assert_on_device(condition: torch.Tensor, message: str) -> None:
     """Raise ValueError(message) unless the bool tensor `condition` holds, without reading it back to the host: an
@@ -1280,9 +1315,16 @@ class SinkhornModel(SinkhornPreTrainedModel):
             if cache is not None:
                 cache.begin_prefill(mask)
 
+        # layer dropout: the residual stack drops a layer by discarding its output on the device (no host read, so
+        # a training step never waits for the device; the layer is still computed). The reversible stack needs the
+        # choice on the host to make the block an identity: it draws it on the CPU (a host-side read, no device sync)
+        layer_drop = self.training and config.layer_dropout > 0
         skip = [False] * config.num_hidden_layers
-        if self.training and config.layer_dropout > 0:
+        keep = None
+        if layer_drop and self._reversible is not None:
             skip = (torch.rand(config.num_hidden_layers) < config.layer_dropout).tolist()
+        elif layer_drop:
+            keep = torch.rand(config.num_hidden_layers, device=hidden.device) >= config.layer_dropout
 
         all_hidden = (hidden,) if output_hidden_states else None
         if self._reversible is not None and cache is None:
@@ -1310,16 +1352,16 @@ class SinkhornModel(SinkhornPreTrainedModel):
             hidden = (x1 + x2) / 2
         else:
             for depth in range(config.num_hidden_layers):
-                if not skip[depth]:
-                    layer, ff = self._layer_at(depth)
-                    hidden = layer(
-                        hidden,
-                        attention_mask=padded_mask,
-                        context=context,
-                        context_mask=context_mask,
-                        layer_cache=cache.layers[depth] if cache is not None else None,
-                        feed_forward=ff,
-                    )
+                layer, ff = self._layer_at(depth)
+                out = layer(
+                    hidden,
+                    attention_mask=padded_mask,
+                    context=context,
+                    context_mask=context_mask,
+                    layer_cache=cache.layers[depth] if cache is not None else None,
+                    feed_forward=ff,
+                )
+                hidden = out if keep is None else torch.where(keep[depth], out, hidden)
                 if output_hidden_states:
                     all_hidden = all_hidden + (hidden[:, :length],)
         hidden = self.norm(hidden[:, :length])
