@@ -178,8 +178,11 @@ class LocalHeads(nn.Module):
             own = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
             pattern = torch.cat([torch.ones(size, size, dtype=torch.bool, device=q.device), own], dim=1)
             attn_mask = attn_mask & pattern  # [b, 1, n, B, 2B]
-        # a real query always sees itself: an additive mask is enough
-        bias = additive(attn_mask, q.dtype)
+        # every query sees itself (its own window is the second of `shifts`), padded queries too: no row is fully
+        # masked, so an additive mask is enough and the gradient of a padded query's output (which a shifted
+        # language-model label can read) is that of an ordinary softmax in every attention implementation
+        itself = F.pad(torch.eye(size, dtype=torch.bool, device=q.device), (size, size * (len(shifts) - 2)))
+        bias = additive(attn_mask | itself, q.dtype)  # [b, 1, n, B, kB]
         out = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias=bias)
         return out.reshape(b, h, length, d)
 
@@ -190,7 +193,8 @@ class LocalHeads(nn.Module):
         """One new token at `position` (keys/values/cache_mask already hold it). q: [b, h, 1, d]."""
         start = max((position // self.bucket_size - 1) * self.bucket_size, 0)
         k, v = keys[:, :, start : position + 1], values[:, :, start : position + 1]
-        m = cache_mask[:, None, None, start : position + 1]  # [b, 1, 1, window]
+        m = cache_mask[:, None, None, start : position + 1].clone()  # [b, 1, 1, window]
+        m[..., -1] = True  # the token sees itself, padding included (as in `forward`)
         return attend(q, k, v, m, implementation=self.implementation)
 
 

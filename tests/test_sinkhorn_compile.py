@@ -139,3 +139,107 @@ def test_fullgraph_compile_traces_forward_and_backward_to_the_eager_numbers(name
 @pytest.mark.parametrize("name", ["causal", "causal-context", "sortcut", "gumbel-sinkhorn"])
 def test_fullgraph_inductor_compile_gives_the_eager_numbers(name):
     assert_compiled_equals_eager(name, "inductor")
+
+
+# ---- bf16 ---------------------------------------------------------------------------------------------------
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("name", ["causal-local-unweighted", "causal-context", "sortcut", "gumbel-sinkhorn"])
+@pytest.mark.parametrize("mode", ["backward-inside-autocast", "backward-outside-autocast", "bf16-weights"])
+def test_bf16_training_step_is_finite_and_close_to_float32(name, mode):
+    model = build(name)
+    kwargs = batch(model)
+    torch.manual_seed(3)
+    reference = model(**kwargs).loss
+    reference.backward()
+    reference_grads = flat_grads(model)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)  # the same Gumbel noise where training draws it
+    if mode == "bf16-weights":
+        model.to(torch.bfloat16)
+        if "encoder_hidden_states" in kwargs:
+            kwargs["encoder_hidden_states"] = kwargs["encoder_hidden_states"].bfloat16()
+        loss = model(**kwargs).loss
+        loss.backward()
+        assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters() if p.grad is not None)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**kwargs).loss
+            if mode == "backward-inside-autocast":
+                loss.backward()
+        if mode == "backward-outside-autocast":
+            loss.backward()
+    grads = flat_grads(model)
+    assert grads.numel() == reference_grads.numel() and torch.isfinite(grads).all()
+    torch.testing.assert_close(loss.float(), reference, rtol=2e-2, atol=0)
+    cosine = torch.nn.functional.cosine_similarity(grads, reference_grads, dim=0)
+    assert cosine > 0.99
+
+
+# ---- attention implementation ---------------------------------------------------------------------------------
+
+
+def head_groups(model):
+    return [
+        group
+        for layer in model.model.layers
+        for attention in (layer.attention.attention, getattr(getattr(layer, "cross_attention", None), "attention", None))
+        if attention is not None
+        for group in getattr(attention, "groups", [getattr(attention, "heads", None)])
+    ]
+
+
+@pytest.mark.parametrize("name", ["causal-local-unweighted", "causal-context", "masked", "sortcut", "masked-context-sortcut"])
+def test_sdpa_and_eager_give_the_same_logits_and_gradients(name):
+    sdpa = build(name)
+    eager = build(name, attn_implementation="eager")
+    eager.load_state_dict(sdpa.state_dict())
+    assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    assert {g.implementation for g in head_groups(sdpa)} == {"sdpa"}
+    assert {g.implementation for g in head_groups(eager)} == {"eager"}
+    kwargs = batch(sdpa)
+    results = {}
+    for label, model in (("sdpa", sdpa), ("eager", eager)):
+        model.eval()  # no dropout, no Gumbel noise: the same numbers expected
+        counts = count_dispatched_ops(lambda model=model: results.__setitem__(label, loss_and_grads(model, kwargs)))
+        fused = sum(n for op, n in counts.items() if "scaled_dot_product" in op)
+        assert (fused > 0) == (label == "sdpa")  # each really runs its own kernel
+        with torch.no_grad():
+            results[label] += (model(**kwargs).logits,)
+    (loss, grads, logits), (eager_loss, eager_grads, eager_logits) = results["sdpa"], results["eager"]
+    torch.testing.assert_close(eager_logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager_loss, loss, rtol=1e-5, atol=1e-6)
+    for key, grad in grads.items():
+        torch.testing.assert_close(eager_grads[key], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item())
+
+
+def test_attn_implementation_from_config_from_pretrained_and_set_attn_implementation(tmp_path):
+    from transformers import AutoModelForMaskedLM
+
+    import longrange  # noqa: F401  (registers the Auto classes)
+
+    model = build("masked")
+    assert model.config._attn_implementation == "sdpa"  # the default, on every device
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert {g.implementation for g in head_groups(loaded)} == {"eager"}
+    loaded.set_attn_implementation("sdpa")
+    assert loaded.config._attn_implementation == "sdpa"
+    assert {g.implementation for g in head_groups(loaded)} == {"sdpa"}
+    configured = AutoModelForMaskedLM.from_config(SinkhornConfig(**TINY, attn_implementation="eager"))
+    assert {g.implementation for g in head_groups(configured)} == {"eager"}
+
+
+@pytest.mark.parametrize("value", ["flex_attention", "flash_attention_2", "paged|eager", "fast"])
+def test_unsupported_attn_implementation_names_the_allowed_values(value):
+    message = rf"attn_implementation='{value}'.*allowed values: 'sdpa', 'eager'"
+    with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+        SinkhornForCausalLM(SinkhornConfig(**TINY, causal=True, attn_implementation=value))
+    model = build("causal")
+    with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+        model.set_attn_implementation(value)
+    assert model.config._attn_implementation == "sdpa"
