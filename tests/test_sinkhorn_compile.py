@@ -15,8 +15,15 @@ CONFIGS = {
     "causal": dict(causal=True),
     "causal-local-unweighted": dict(causal=True, n_local_attn_heads=1, n_top_buckets=1, weight_routed_values=False),
     "causal-extras": dict(
-        causal=True, ff_chunks=3, ff_glu=True, emb_dim=8, layer_dropout=0.3, attn_dropout=0.1, ff_dropout=0.1,
-        randomly_truncate_sequence=True, **PKM,
+        causal=True,
+        ff_chunks=3,
+        ff_glu=True,
+        emb_dim=8,
+        layer_dropout=0.3,
+        attn_dropout=0.1,
+        ff_dropout=0.1,
+        randomly_truncate_sequence=True,
+        **PKM,
     ),
     "causal-context": dict(causal=True, receives_context=True, context_bucket_size=4),
     "masked": dict(n_local_attn_heads=1),
@@ -187,13 +194,18 @@ def head_groups(model):
     return [
         group
         for layer in model.model.layers
-        for attention in (layer.attention.attention, getattr(getattr(layer, "cross_attention", None), "attention", None))
+        for attention in (
+            layer.attention.attention,
+            getattr(getattr(layer, "cross_attention", None), "attention", None),
+        )
         if attention is not None
         for group in getattr(attention, "groups", [getattr(attention, "heads", None)])
     ]
 
 
-@pytest.mark.parametrize("name", ["causal-local-unweighted", "causal-context", "masked", "sortcut", "masked-context-sortcut"])
+@pytest.mark.parametrize(
+    "name", ["causal-local-unweighted", "causal-context", "masked", "sortcut", "masked-context-sortcut"]
+)
 def test_sdpa_and_eager_give_the_same_logits_and_gradients(name):
     sdpa = build(name)
     eager = build(name, attn_implementation="eager")
@@ -205,7 +217,9 @@ def test_sdpa_and_eager_give_the_same_logits_and_gradients(name):
     results = {}
     for label, model in (("sdpa", sdpa), ("eager", eager)):
         model.eval()  # no dropout, no Gumbel noise: the same numbers expected
-        counts = count_dispatched_ops(lambda model=model: results.__setitem__(label, loss_and_grads(model, kwargs)))
+        counts = count_dispatched_ops(
+            lambda model=model, label=label: results.__setitem__(label, loss_and_grads(model, kwargs))
+        )
         fused = sum(n for op, n in counts.items() if "scaled_dot_product" in op)
         assert (fused > 0) == (label == "sdpa")  # each really runs its own kernel
         with torch.no_grad():
