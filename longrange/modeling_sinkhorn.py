@@ -352,12 +352,11 @@ class CausalSinkhornHeads(nn.Module):
         lq = q.shape[2]
         n = lq // size
         bq = q.reshape(b, h, n, size, d)
-        q_sums, _ = bucket_sums(q, mask, size)  # [b, h, n, d]
-        lead_q = bq[:, :, :, 0].float() * mask.view(b, 1, n, size)[..., 0, None]  # leading tokens [b, h, n, d]
+        q_sums, q_counts = bucket_sums(q, mask, size)  # [b, h, n, d], [b, n]
+        lead_real = mask.view(b, n, size)[..., 0]  # [b, n]
+        lead_q = bq[:, :, :, 0].float() * lead_real[:, None, :, None]  # leading tokens [b, h, n, d]
         lead_sum = q_sums.cumsum(2) - q_sums + lead_q  # queries summed up to each leading token (inclusive)
-        lead_count = (
-            mask.view(b, n, size).sum(-1).cumsum(-1) - mask.view(b, n, size).sum(-1) + mask.view(b, n, size)[..., 0]
-        )
+        lead_count = q_counts.cumsum(-1) - q_counts + lead_real
         sq = lead_sum / lead_count.clamp_min(1)[:, None, :, None]  # [b, h, n, d]
 
         if self.cross:

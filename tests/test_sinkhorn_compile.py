@@ -103,7 +103,7 @@ def test_operators_per_training_step_do_not_grow_with_batch_or_length(name):
 # ---- torch.compile ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["causal-local-unweighted", "causal-context", "sortcut", "gumbel-sinkhorn"])
+@pytest.mark.parametrize("name", ["causal-context", "gumbel-sinkhorn"])  # the others: fullgraph=True below
 def test_training_forward_is_one_graph(name):
     model = build(name, attn_dropout=0.1)
     torch._dynamo.reset()
@@ -120,8 +120,8 @@ def loss_and_grads(model, kwargs, run=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_compiled_equals_eager(name, backend):
-    model = build(name)
+def assert_compiled_equals_eager(name, backend, **overrides):
+    model = build(name, **overrides)
     kwargs = batch(model)
     loss, grads = loss_and_grads(model, kwargs)
     torch._dynamo.reset()
@@ -139,7 +139,7 @@ def assert_compiled_equals_eager(name, backend):
 @pytest.mark.parametrize("name", ["causal-local-unweighted", "sortcut"])
 def test_fullgraph_compile_traces_forward_and_backward_to_the_eager_numbers(name):
     # aot_eager: the whole forward and backward traced into one graph each (fast to compile); inductor below
-    assert_compiled_equals_eager(name, "aot_eager")
+    assert_compiled_equals_eager(name, "aot_eager", num_hidden_layers=1)
 
 
 @pytest.mark.slow
