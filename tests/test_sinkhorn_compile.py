@@ -26,6 +26,7 @@ CONFIGS = {
         **PKM,
     ),
     "causal-context": dict(causal=True, receives_context=True, context_bucket_size=4),
+    "causal-reversible": dict(causal=True, reversible=True, layer_dropout=0.3, **PKM),  # layer choice drawn on the CPU
     "masked": dict(n_local_attn_heads=1),
     "sortcut": dict(n_sortcut=2),
     "gumbel-sinkhorn": dict(non_permutative=False, use_simple_sort_net=True, weight_tie=True),
