@@ -344,12 +344,22 @@ class CausalSinkhornHeads(nn.Module):
         k_mask: context mask for cross-attention (self-attention uses `mask`). `record`: a dict that receives
         what the generation cache needs."""
         size, off = self.bucket_size, self.offset
-        b, h, length, d = q.shape
+        length = q.shape[2]
         if off:
             # shift by one: the first bucket holds a virtual token plus tokens 0 .. size-2
             q, k, v = (F.pad(t, (0, 0, off, size - off)) for t in (q, k, v))
             mask = F.pad(mask, (off, size - off), value=False)
-        lq = q.shape[2]
+        null = None if self.cross else (self.null_keys[None], self.null_values[None])
+        out = self.bucketed(q, k, v, mask, k_mask, record, null)
+        if record is not None:
+            record["offset"] = off
+        return out[:, :, off : off + length]
+
+    def bucketed(self, q, k, v, mask, k_mask, record, null):
+        """The attention over buckets of already shifted inputs (length a multiple of bucket_size), output not
+        trimmed. null: (null keys, null values) [b or 1, h, n_null, d] for self-attention, None for cross."""
+        size = self.bucket_size
+        b, h, lq, d = q.shape
         n = lq // size
         bq = q.reshape(b, h, n, size, d)
         q_sums, q_counts = bucket_sums(q, mask, size)  # [b, h, n, d], [b, n]
@@ -376,15 +386,16 @@ class CausalSinkhornHeads(nn.Module):
             k_sums, k_counts = bucket_sums(k, key_mask, size)
             sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
             n_null = self.n_top
-            null_scores = sq @ self.null_keys.float().transpose(-1, -2)[None]  # [b, h, n, n_null]
+            null_keys, null_values = null
+            null_scores = sq @ null_keys.float().transpose(-1, -2)  # [b, h, n, n_null]
             scores = torch.cat([null_scores, sq @ sk.transpose(-1, -2)], dim=-1) * d**-0.5
             earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)  # key bucket j < query bucket u
             real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
             valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=q.device), real_valid], dim=-1)
             n_sel = n_null
             # candidate bank: null buckets (the learned key in slot 0, the rest masked) then the real buckets
-            null_k = F.pad(self.null_keys[:, :, None, :], (0, 0, 0, size - 1)).to(k.dtype).expand(b, -1, -1, -1, -1)
-            null_v = F.pad(self.null_values[:, :, None, :], (0, 0, 0, size - 1)).to(v.dtype).expand(b, -1, -1, -1, -1)
+            null_k = F.pad(null_keys[:, :, :, None], (0, 0, 0, size - 1)).to(k.dtype).expand(b, -1, -1, -1, -1)
+            null_v = F.pad(null_values[:, :, :, None], (0, 0, 0, size - 1)).to(v.dtype).expand(b, -1, -1, -1, -1)
             bank_k = torch.cat([null_k, bk], dim=2)  # [b, h, n_null + n, B, d]
             bank_v = torch.cat([null_v, bv], dim=2)
             null_m = torch.zeros(b, n_null, size, dtype=torch.bool, device=q.device)
@@ -420,10 +431,9 @@ class CausalSinkhornHeads(nn.Module):
                 dim=-1,
             )
             out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=bias)
-        out = out.reshape(b, h, lq, d)[:, :, off : off + length]
+        out = out.reshape(b, h, lq, d)
 
         if record is not None:
-            record["offset"] = off
             record["q_sum"] = q_sums.sum(2)  # [b, h, d]
             record["q_count"] = mask.sum(1).float()  # [b]
             record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
@@ -574,6 +584,36 @@ def _unsupported_attention(impl) -> str:
     )
 
 
+def causal_pair(plain: CausalSinkhornHeads, shifted: CausalSinkhornHeads, q, k, v, mask, records=None):
+    """The ordinary and the shifted causal Sinkhorn heads of a layer in ONE pass, with the numbers of two
+    `forward` calls and half their kernel launches. The batch is doubled: its first half holds the ordinary heads'
+    rows with one empty bucket appended (a later bucket, so never a candidate, and its queries are dropped), its
+    second half the shifted heads' rows, padded as in `forward`. Needs equal head counts.
+
+    q, k, v: [b, 2h, L, d] (ordinary heads first); mask: [b, L]; records: None or one dict per group."""
+    size, h, off = plain.bucket_size, plain.num_heads, shifted.offset
+    b, _, length, _ = q.shape
+    pads = ((0, size), (off, size - off))
+
+    def stack(t):  # [b, 2h, L, d] -> [2b, h, L + size, d]
+        return torch.cat([F.pad(part, (0, 0, *pad)) for part, pad in zip(t.split(h, dim=1), pads)])
+
+    masks = torch.cat([F.pad(mask, pad, value=False) for pad in pads])  # [2b, L + size]
+    null = tuple(
+        torch.stack([getattr(plain, name), getattr(shifted, name)])[:, None]
+        .expand(-1, b, -1, -1, -1)
+        .reshape(2 * b, h, plain.n_top, -1)
+        for name in ("null_keys", "null_values")
+    )  # each group's null buckets for its rows
+    record = {} if records is not None else None
+    out = plain.bucketed(stack(q), stack(k), stack(v), masks, None, record, null)  # [2b, h, L + size, d]
+    if records is not None:
+        for half, group, target in ((slice(0, b), plain, records[0]), (slice(b, 2 * b), shifted, records[1])):
+            target.update({key: val if val is None else val[half] for key, val in record.items()})
+            target["offset"] = group.offset
+    return torch.cat([out[:b, :, :length], out[b:, :, off : off + length]], dim=1)
+
+
 class SinkhornSelfAttention(nn.Module):
     """Projections plus the head groups: [local heads | Sinkhorn heads] (causal: [local | ordinary | shifted])."""
 
@@ -637,6 +677,12 @@ class SinkhornSelfAttention(nn.Module):
             )
         self.groups = nn.ModuleList(groups)
         self.slices = slices
+        # runs of groups computed together: the two causal Sinkhorn groups in one `causal_pair` pass when their
+        # head counts are equal (an odd number of Sinkhorn heads runs them one after the other)
+        self.runs = [[i] for i in range(len(groups))]
+        causal_groups = [i for i, g in enumerate(groups) if isinstance(g, CausalSinkhornHeads)]
+        if len(causal_groups) == 2 and len({groups[i].num_heads for i in causal_groups}) == 1:
+            self.runs = [run for run in self.runs if run[0] not in causal_groups] + [causal_groups]
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
@@ -653,8 +699,17 @@ class SinkhornSelfAttention(nn.Module):
             if layer_cache is not None:
                 records = [{} for _ in self.groups]
             outs = []
-            for group, (s, e), record in zip(self.groups, self.slices, records):
-                outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=record))
+            for run in self.runs:
+                s, e = self.slices[run[0]][0], self.slices[run[-1]][1]
+                if len(run) == 2:
+                    pair_records = None if layer_cache is None else [records[i] for i in run]
+                    plain, shifted = (self.groups[i] for i in run)
+                    outs.append(
+                        causal_pair(plain, shifted, q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, pair_records)
+                    )
+                else:
+                    group = self.groups[run[0]]
+                    outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=records[run[0]]))
             out = torch.cat(outs, dim=1)
             if layer_cache is not None:
                 layer_cache.fill_self(k, v, records)

@@ -104,7 +104,7 @@ def test_operators_per_training_step_do_not_grow_with_batch_or_length(name):
 # ---- torch.compile ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["causal-context", "gumbel-sinkhorn"])  # the others: fullgraph=True below
+@pytest.mark.parametrize("name", ["causal-local-unweighted", "causal-context", "gumbel-sinkhorn"])  # + fullgraph below
 def test_training_forward_is_one_graph(name):
     model = build(name, attn_dropout=0.1)
     torch._dynamo.reset()
@@ -137,14 +137,14 @@ def assert_compiled_equals_eager(name, backend, **overrides):
         torch.testing.assert_close(compiled_grads[key], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["causal-local-unweighted", "sortcut"])
+@pytest.mark.parametrize("name", ["causal", "sortcut"])
 def test_fullgraph_compile_traces_forward_and_backward_to_the_eager_numbers(name):
     # aot_eager: the whole forward and backward traced into one graph each (fast to compile); inductor below
     assert_compiled_equals_eager(name, "aot_eager", num_hidden_layers=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["causal", "causal-context", "sortcut", "gumbel-sinkhorn"])
+@pytest.mark.parametrize("name", ["causal", "causal-local-unweighted", "sortcut", "gumbel-sinkhorn"])
 def test_fullgraph_inductor_compile_gives_the_eager_numbers(name):
     assert_compiled_equals_eager(name, "inductor")
 
@@ -258,3 +258,56 @@ def test_unsupported_attn_implementation_names_the_allowed_values(value):
     with pytest.raises(ValueError, match=message.replace("|", r"\|")):
         model.set_attn_implementation(value)
     assert model.config._attn_implementation == "sdpa"
+
+
+# ---- fewer launches: the ordinary and shifted causal heads in one pass -------------------------------------------
+
+
+def test_paired_causal_heads_equal_two_separate_passes_with_fewer_launches():
+    from longrange.modeling_sinkhorn import SinkhornSelfAttention
+
+    config = SinkhornConfig(**TINY, causal=True, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(5)
+    attention = SinkhornSelfAttention(config).double().train()
+    for group in attention.groups:
+        torch.nn.init.normal_(group.null_keys)
+        torch.nn.init.normal_(group.null_values)
+    assert attention.runs == [[0, 1]]  # 2 ordinary + 2 shifted heads: one pass
+    hidden = torch.randn(2, 29, 16, dtype=torch.float64)
+    mask = torch.ones(2, 29, dtype=torch.bool)
+    mask[1, :6] = False
+    padded = torch.nn.functional.pad(mask, (0, 3))  # to a bucket multiple, as the model does
+
+    def run(runs):
+        attention.runs = runs
+        attention.zero_grad(set_to_none=True)
+        x = torch.nn.functional.pad(hidden, (0, 0, 0, 3)).requires_grad_(True)
+        out = attention(x, padded)
+        (out[:, :29] * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
+        return out[:, :29].detach(), x.grad, {n: p.grad.clone() for n, p in attention.named_parameters()}
+
+    counts = {}
+    for label, runs in (("paired", [[0, 1]]), ("separate", [[0], [1]])):
+        counts[label] = sum(kernel_ops(count_dispatched_ops(lambda runs=runs: run(runs))).values())
+    paired, separate = run([[0, 1]]), run([[0], [1]])
+    real = mask[..., None].expand(-1, -1, 16)
+    torch.testing.assert_close(paired[0][real], separate[0][real], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(paired[1], separate[1], rtol=1e-12, atol=1e-12)
+    for name, grad in separate[2].items():  # routing scores run in float32: their gradients agree to float32
+        torch.testing.assert_close(paired[2][name], grad, rtol=1e-6, atol=1e-9)
+    assert counts["paired"] < 0.7 * counts["separate"]
+
+
+def test_paired_causal_heads_keep_cached_generation_exact():
+    from tests.test_sinkhorn_model import causal_lm, stepwise_logits
+
+    model = causal_lm(seed=6, n_top_buckets=2, num_attention_heads=4)  # no local heads: the paired pass
+    assert model.model.layers[0].attention.attention.runs == [[0, 1]]
+    ids = torch.randint(0, 40, (2, 35))
+    mask = torch.ones(2, 35, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    for prefill in (3, 17):  # the cache filled by the paired pass mid-bucket, then stepped across boundaries
+        stepped = stepwise_logits(model, ids, mask, prefill=prefill)
+        torch.testing.assert_close(stepped[mask.bool()], full[mask.bool()], rtol=1e-5, atol=1e-5)
