@@ -83,10 +83,11 @@ def attend(
 class FeedForward(nn.Module):
     """Position-wise feed-forward: Linear -> GELU (or GEGLU when `glu`) -> dropout -> Linear.
 
-    Inputs with more than `block_elements` intermediate activations are computed over blocks of rows (the same
-    numbers): the allocator serves tensors of 32 MB and more with freshly mapped pages on every call, whose page
-    faults cost more than the smaller matrix products (one training step of the Sinkhorn benchmark size: 1.0 s of
-    8.0 s)."""
+    On the CPU, inputs with more than `block_elements` intermediate activations are computed over blocks of rows
+    (the same numbers): the CPU allocator serves tensors of 32 MB and more with freshly mapped pages on every call,
+    whose page faults cost more than the smaller matrix products (one training step of the Sinkhorn benchmark size:
+    1.0 s of 8.0 s). Accelerators' caching allocators reuse memory, and there more blocks only mean more kernel
+    launches, so other devices run one pass."""
 
     block_elements = 1 << 22  # 16 MB of float32 intermediate activations per block
 
@@ -100,7 +101,7 @@ class FeedForward(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = hidden_states.shape[:-1].numel()
         blocks = -(-rows * self.up.out_features // self.block_elements)
-        if blocks > 1:
+        if blocks > 1 and hidden_states.device.type == "cpu":
             flat = hidden_states.reshape(rows, hidden_states.shape[-1])
             out = torch.cat([self._rows(part) for part in flat.chunk(blocks)])
             return out.view(*hidden_states.shape[:-1], out.shape[-1])

@@ -197,8 +197,11 @@ class LocalHeads(nn.Module):
             own = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
             pattern = torch.cat([torch.ones(size, size, dtype=torch.bool, device=q.device), own], dim=1)
             attn_mask = attn_mask & pattern  # [b, 1, n, B, 2B]
-        # a real query always sees itself: an additive mask is enough
-        bias = additive(attn_mask, q.dtype)
+        # every query sees itself (its own window is the second of `shifts`), padded queries too: no row is fully
+        # masked, so an additive mask is enough and the gradient of a padded query's output (which a shifted
+        # language-model label can read) is that of an ordinary softmax in every attention implementation
+        itself = F.pad(torch.eye(size, dtype=torch.bool, device=q.device), (size, size * (len(shifts) - 2)))
+        bias = additive(attn_mask | itself, q.dtype)  # [b, 1, n, B, kB]
         out = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias=bias)
         return out.reshape(b, h, length, d)
 
@@ -209,7 +212,8 @@ class LocalHeads(nn.Module):
         """One new token at `position` (keys/values/cache_mask already hold it). q: [b, h, 1, d]."""
         start = max((position // self.bucket_size - 1) * self.bucket_size, 0)
         k, v = keys[:, :, start : position + 1], values[:, :, start : position + 1]
-        m = cache_mask[:, None, None, start : position + 1]  # [b, 1, 1, window]
+        m = cache_mask[:, None, None, start : position + 1].clone()  # [b, 1, 1, window]
+        m[..., -1] = True  # the token sees itself, padding included (as in `forward`)
         return attend(q, k, v, m, implementation=self.implementation)
 
 
@@ -387,21 +391,31 @@ class CausalSinkhornHeads(nn.Module):
         k_mask: context mask for cross-attention (self-attention uses `mask`). `record`: a dict that receives
         what the generation cache needs."""
         size, off = self.bucket_size, self.offset
-        b, h, length, d = q.shape
+        length = q.shape[2]
         if off:
             # shift by one: the first bucket holds a virtual token plus tokens 0 .. size-2
             q, k, v = (F.pad(t, (0, 0, off, size - off)) for t in (q, k, v))
             mask = F.pad(mask, (off, size - off), value=False)
-        lq = q.shape[2]
+        null = None if self.cross else (self.null_keys[None], self.null_values[None])
+        out = self.bucketed(q, k, v, mask, k_mask, record, null)
+        if record is not None:
+            record["offset"] = off
+        return out[:, :, off : off + length]
+
+    def bucketed(self, q, k, v, mask, k_mask, record, null):
+        """The attention over buckets of already shifted inputs (length a multiple of bucket_size), output not
+        trimmed. null: (null keys, null values) [b or 1, h, n_null, d] for self-attention, None for cross."""
+        size = self.bucket_size
+        b, h, lq, d = q.shape
         n = lq // size
         bq = q.reshape(b, h, n, size, d)
         # tokens that enter the routing summaries (skip_first: not the short first bucket of shifted heads)
         counted = F.pad(mask[:, size:], (size, 0), value=False) if self.skip_first else mask
-        q_sums, _ = bucket_sums(q, counted, size)  # [b, h, n, d]
-        lead_q = bq[:, :, :, 0].float() * counted.view(b, 1, n, size)[..., 0, None]  # leading tokens [b, h, n, d]
+        q_sums, q_counts = bucket_sums(q, counted, size)  # [b, h, n, d], [b, n]
+        lead_real = counted.view(b, n, size)[..., 0]  # [b, n]
+        lead_q = bq[:, :, :, 0].float() * lead_real[:, None, :, None]  # leading tokens [b, h, n, d]
         lead_sum = q_sums.cumsum(2) - q_sums + lead_q  # queries summed up to each leading token (inclusive)
-        per_bucket = counted.view(b, n, size)
-        lead_count = per_bucket.sum(-1).cumsum(-1) - per_bucket.sum(-1) + per_bucket[..., 0]
+        lead_count = q_counts.cumsum(-1) - q_counts + lead_real
         sq = lead_sum / lead_count.clamp_min(1)[:, None, :, None]  # [b, h, n, d]
 
         if self.cross:
@@ -428,10 +442,11 @@ class CausalSinkhornHeads(nn.Module):
             else:
                 sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
             n_null = self.n_top
+            null_keys, null_values = null
             if self.zero_null_score:
                 null_scores = sq.new_zeros(b, h, n, n_null)
             else:
-                null_scores = sq @ self.null_keys.float().transpose(-1, -2)[None]  # [b, h, n, n_null]
+                null_scores = sq @ null_keys.float().transpose(-1, -2)  # [b, h, n, n_null]
             scores = torch.cat([null_scores, sq @ sk.transpose(-1, -2)], dim=-1) * d**-0.5
             earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)  # key bucket j < query bucket u
             real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
@@ -439,10 +454,10 @@ class CausalSinkhornHeads(nn.Module):
             if self.skip_first:  # the short first bucket attends no chosen bucket
                 valid = valid & (torch.arange(n, device=q.device) > 0)[None, None, :, None]
             n_sel = n_null
-            # candidate bank: null buckets (the learned key in slot 0, the rest masked; null_copies: in every slot)
+            # candidate bank: null buckets (the learned key in every slot, all but slot 0 masked unless null_copies)
             # then the real buckets
-            null_k = self.null_keys[:, :, None, :].expand(-1, -1, size, -1).to(k.dtype).expand(b, -1, -1, -1, -1)
-            null_v = self.null_values[:, :, None, :].expand(-1, -1, size, -1).to(v.dtype).expand(b, -1, -1, -1, -1)
+            null_k = null_keys[:, :, :, None].expand(-1, -1, -1, size, -1).to(k.dtype).expand(b, -1, -1, -1, -1)
+            null_v = null_values[:, :, :, None].expand(-1, -1, -1, size, -1).to(v.dtype).expand(b, -1, -1, -1, -1)
             bank_k = torch.cat([null_k, bk], dim=2)  # [b, h, n_null + n, B, d]
             bank_v = torch.cat([null_v, bv], dim=2)
             null_m = torch.zeros(b, n_null, size, dtype=torch.bool, device=q.device)
@@ -486,10 +501,9 @@ class CausalSinkhornHeads(nn.Module):
                 dim=-1,
             )
             out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=bias)
-        out = out.reshape(b, h, lq, d)[:, :, off : off + length]
+        out = out.reshape(b, h, lq, d)
 
         if record is not None:
-            record["offset"] = off
             record["q_sum"] = q_sums.sum(2)  # [b, h, d]
             record["q_count"] = counted.sum(1).float()  # [b]
             record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
@@ -644,8 +658,55 @@ class CausalSinkhornHeads(nn.Module):
 
 
 def _implementation(config: SinkhornConfig) -> str:
-    impl = getattr(config, "_attn_implementation", None)
-    return impl if impl in ATTENTION_IMPLEMENTATIONS else "sdpa"
+    """The attention implementation of every head group, read from `config._attn_implementation` when the model is
+    built (transformers resolves it, from `attn_implementation=` or the config, before the modules exist; unset =
+    "sdpa" on every device).
+
+    "sdpa": `torch.nn.functional.scaled_dot_product_attention`, fused kernels on CUDA and on the CPU (where it is
+    at least as fast as "eager" on the benchmark's 128 x 384 bucket blocks, forward and backward); "eager": the
+    explicit softmax(q k^T / sqrt(d) + mask) v, the same numbers."""
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if impl not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(_unsupported_attention(impl))
+    return impl
+
+
+def _unsupported_attention(impl) -> str:
+    return (
+        f"Sinkhorn: attn_implementation={impl!r} is not supported; allowed values: "
+        f"{', '.join(repr(name) for name in ATTENTION_IMPLEMENTATIONS)} (bucketed attention runs through "
+        "scaled_dot_product_attention or the explicit softmax; flash and flex attention are not available)"
+    )
+
+
+def causal_pair(plain: CausalSinkhornHeads, shifted: CausalSinkhornHeads, q, k, v, mask, records=None):
+    """The ordinary and the shifted causal Sinkhorn heads of a layer in ONE pass, with the numbers of two
+    `forward` calls and half their kernel launches. The batch is doubled: its first half holds the ordinary heads'
+    rows with one empty bucket appended (a later bucket, so never a candidate, and its queries are dropped), its
+    second half the shifted heads' rows, padded as in `forward`. Needs equal head counts.
+
+    q, k, v: [b, 2h, L, d] (ordinary heads first); mask: [b, L]; records: None or one dict per group."""
+    size, h, off = plain.bucket_size, plain.num_heads, shifted.offset
+    b, _, length, _ = q.shape
+    pads = ((0, size), (off, size - off))
+
+    def stack(t):  # [b, 2h, L, d] -> [2b, h, L + size, d]
+        return torch.cat([F.pad(part, (0, 0, *pad)) for part, pad in zip(t.split(h, dim=1), pads)])
+
+    masks = torch.cat([F.pad(mask, pad, value=False) for pad in pads])  # [2b, L + size]
+    null = tuple(
+        torch.stack([getattr(plain, name), getattr(shifted, name)])[:, None]
+        .expand(-1, b, -1, -1, -1)
+        .reshape(2 * b, h, plain.n_top, -1)
+        for name in ("null_keys", "null_values")
+    )  # each group's null buckets for its rows
+    record = {} if records is not None else None
+    out = plain.bucketed(stack(q), stack(k), stack(v), masks, None, record, null)  # [2b, h, L + size, d]
+    if records is not None:
+        for half, group, target in ((slice(0, b), plain, records[0]), (slice(b, 2 * b), shifted, records[1])):
+            target.update({key: val if val is None else val[half] for key, val in record.items()})
+            target["offset"] = group.offset
+    return torch.cat([out[:b, :, :length], out[b:, :, off : off + length]], dim=1)
 
 
 def _routing_options(config: SinkhornConfig) -> dict:
@@ -725,6 +786,17 @@ class SinkhornSelfAttention(nn.Module):
             )
         self.groups = nn.ModuleList(groups)
         self.slices = slices
+        # runs of groups computed together: the two causal Sinkhorn groups in one `causal_pair` pass when their
+        # head counts are equal (an odd number of Sinkhorn heads runs them one after the other)
+        self.runs = [[i] for i in range(len(groups))]
+        causal_groups = [i for i, g in enumerate(groups) if isinstance(g, CausalSinkhornHeads)]
+        # (and when the shifted heads route like the ordinary ones: not with shifted_heads_skip_first_bucket)
+        if (
+            len(causal_groups) == 2
+            and len({groups[i].num_heads for i in causal_groups}) == 1
+            and not groups[causal_groups[1]].skip_first
+        ):
+            self.runs = [run for run in self.runs if run[0] not in causal_groups] + [causal_groups]
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
@@ -741,8 +813,17 @@ class SinkhornSelfAttention(nn.Module):
             if layer_cache is not None:
                 records = [{} for _ in self.groups]
             outs = []
-            for group, (s, e), record in zip(self.groups, self.slices, records):
-                outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=record))
+            for run in self.runs:
+                s, e = self.slices[run[0]][0], self.slices[run[-1]][1]
+                if len(run) == 2:
+                    pair_records = None if layer_cache is None else [records[i] for i in run]
+                    plain, shifted = (self.groups[i] for i in run)
+                    outs.append(
+                        causal_pair(plain, shifted, q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, pair_records)
+                    )
+                else:
+                    group = self.groups[run[0]]
+                    outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=records[run[0]]))
             out = torch.cat(outs, dim=1)
             if layer_cache is not None:
                 layer_cache.fill_self(k, v, records)
@@ -1236,6 +1317,38 @@ class SinkhornPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    # attention implementation: transformers resolves `attn_implementation` (argument or config) through these;
+    # the head groups take the result when they are built, and `set_attn_implementation` hands them a new one
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        if requested_attention is not None and requested_attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(_unsupported_attention(requested_attention))
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True
+
+    def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False) -> None:
+        super().set_attn_implementation(attn_implementation, allow_all_kernels=allow_all_kernels)
+        implementation = _implementation(self.config)
+        for module in self.modules():
+            if isinstance(module, (LocalHeads, SinkhornHeads, CausalSinkhornHeads)):
+                module.implementation = implementation
+
+
+def _assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Raise ValueError(message) unless the bool tensor `condition` holds, without reading it back to the host: an
+    asynchronous device assert (on CUDA the failure surfaces at the next synchronisation; on the CPU at once), so a
+    training step never waits for the device and compiles into one graph."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(condition, message)
+        return
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError as error:
+        raise ValueError(message) from error
+
 
 def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
     if mask is not None and tuple(mask.shape) != tuple(shape):
@@ -1347,10 +1460,11 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings "
                 f"({config.max_position_embeddings})"
             )
-        if input_ids is not None and input_ids.numel() > 0:
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= config.vocab_size:
-                raise ValueError(f"SinkhornModel: token ids must lie in [0, {config.vocab_size}), got [{low}, {high}]")
+        if input_ids is not None:
+            _assert_on_device(
+                ((input_ids >= 0) & (input_ids < config.vocab_size)).all(),
+                f"SinkhornModel: token ids must lie in [0, {config.vocab_size}) (vocab_size)",
+            )
         if attention_mask is not None:
             if (
                 attention_mask.dim() == 2
@@ -1409,9 +1523,16 @@ class SinkhornModel(SinkhornPreTrainedModel):
             if cache is not None:
                 cache.begin_prefill(mask)
 
+        # layer dropout: the residual stack drops a layer by discarding its output on the device (no host read, so
+        # a training step never waits for the device; the layer is still computed). The reversible stack needs the
+        # choice on the host to make the block an identity: it draws it on the CPU (a host-side read, no device sync)
+        layer_drop = self.training and config.layer_dropout > 0
         skip = [False] * config.num_hidden_layers
-        if self.training and config.layer_dropout > 0:
+        keep = None
+        if layer_drop and self._reversible is not None:
             skip = (torch.rand(config.num_hidden_layers) < config.layer_dropout).tolist()
+        elif layer_drop:
+            keep = torch.rand(config.num_hidden_layers, device=hidden.device) >= config.layer_dropout
 
         all_hidden = (hidden,) if output_hidden_states else None
         if self._reversible is not None and cache is None:
@@ -1439,16 +1560,16 @@ class SinkhornModel(SinkhornPreTrainedModel):
             hidden = (x1 + x2) / 2
         else:
             for depth in range(config.num_hidden_layers):
-                if not skip[depth]:
-                    layer, ff = self._layer_at(depth)
-                    hidden = layer(
-                        hidden,
-                        attention_mask=padded_mask,
-                        context=context,
-                        context_mask=context_mask,
-                        layer_cache=cache.layers[depth] if cache is not None else None,
-                        feed_forward=ff,
-                    )
+                layer, ff = self._layer_at(depth)
+                out = layer(
+                    hidden,
+                    attention_mask=padded_mask,
+                    context=context,
+                    context_mask=context_mask,
+                    layer_cache=cache.layers[depth] if cache is not None else None,
+                    feed_forward=ff,
+                )
+                hidden = out if keep is None else torch.where(keep[depth], out, hidden)
                 if output_hidden_states:
                     all_hidden = all_hidden + (hidden[:, :length],)
         hidden = self.norm(hidden[:, :length])

@@ -1,27 +1,101 @@
-"""Counting the operators a call dispatches (what a GPU would launch, and any read back to the host)."""
+"""Count the operators a piece of code dispatches: host reads (a device synchronisation on an accelerator) and
+kernel launches. Shared by the model tests (`from tests.dispatch_utils import count_dispatched_ops`)."""
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# operators that read a tensor value back to the host (a device synchronisation on a GPU)
-HOST_READS = ("_local_scalar_dense", "nonzero", "item")
+# operators that read a device value back to the host: `.item()`, `.tolist()`, `bool(t)` (`_local_scalar_dense`),
+# `torch.where(cond)` / `nonzero` and the ops whose output size depends on values (`nonzero_static` has a fixed
+# size and does not). Indexing with a boolean mask runs its nonzero inside the kernel, out of the mode's sight: the
+# recorder counts it as BOOL_MASK_INDEX.
+BOOL_MASK_INDEX = "aten.index (boolean mask)"
+SYNC_OPS = frozenset(
+    {
+        "aten._local_scalar_dense",
+        "aten.nonzero",
+        "aten.item",
+        "aten.is_nonzero",
+        "aten.equal",
+        "aten.masked_select",
+        "aten._unique2",
+        "aten.unique_dim",
+        "aten.unique_consecutive",
+        BOOL_MASK_INDEX,
+    }
+)
+
+# operators that only make a new view of existing memory (no kernel on any device)
+VIEW_OPS = frozenset(
+    {
+        "aten.view",
+        "aten._unsafe_view",
+        "aten.reshape",
+        "aten._reshape_alias",
+        "aten.unsqueeze",
+        "aten.squeeze",
+        "aten.permute",
+        "aten.transpose",
+        "aten.t",
+        "aten.expand",
+        "aten.slice",
+        "aten.select",
+        "aten.narrow",
+        "aten.detach",
+        "aten.alias",
+        "aten.split",
+        "aten.split_with_sizes",
+        "aten.chunk",
+        "aten.unbind",
+        "aten.as_strided",
+        "aten.diagonal",
+        "aten.unfold",
+        "aten.lift_fresh",
+        "aten.view_as_real",
+        "aten.view_as_complex",
+    }
+)
 
 
-class _Counter(TorchDispatchMode):
+_INDEX_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
+
+
+class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.counts = collections.Counter()
+        self.counts: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
+        name = str(func.overloadpacket)  # e.g. "aten.mm" (overloads merged)
+        self.counts[name] += 1
+        if name in _INDEX_OPS and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        ):
+            self.counts[BOOL_MASK_INDEX] += 1
         return func(*args, **(kwargs or {}))
 
 
-def count_dispatched_ops(fn) -> collections.Counter:
-    """Runs fn() and returns how many times each aten operator (by packet name, e.g. "mm") was dispatched."""
-    with _Counter() as counter:
+def count_dispatched_ops(fn: Callable[[], object]) -> collections.Counter:
+    """Run `fn()` and count every aten operator it dispatches, by name ("aten.mm"), in the forward pass and, when
+    `fn` calls `backward()`, in the backward pass too (the autograd engine carries the mode to its threads)."""
+    recorder = _Recorder()
+    with recorder:
         fn()
-    return counter.counts
+    return recorder.counts
+
+
+def sync_ops(counts: collections.Counter) -> dict[str, int]:
+    """The host-reading operators among `counts` (an empty dict when there are none)."""
+    return {name: n for name, n in counts.items() if name in SYNC_OPS}
+
+
+def kernel_ops(counts: collections.Counter) -> collections.Counter:
+    """`counts` without the view operators (and the boolean-mask marker): about one kernel launch each on an
+    accelerator."""
+    return collections.Counter(
+        {name: n for name, n in counts.items() if name not in VIEW_OPS and name != BOOL_MASK_INDEX}
+    )

@@ -1,0 +1,313 @@
+"""Sinkhorn training on accelerators: no host reads in a training step, one graph for torch.compile (fullgraph,
+same numbers as eager), bf16 training, and the attention implementation switch (sdpa / eager)."""
+
+import pytest
+import torch
+
+from longrange.configuration_sinkhorn import SinkhornConfig
+from longrange.modeling_sinkhorn import SinkhornForCausalLM, SinkhornForMaskedLM
+from tests.dispatch_utils import count_dispatched_ops, kernel_ops, sync_ops
+
+TINY = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, bucket_size=8)
+PKM = dict(pkm_layers=[2], pkm_num_keys=8, pkm_topk=4, pkm_heads=2)
+
+CONFIGS = {
+    "causal": dict(causal=True),
+    "causal-local-unweighted": dict(causal=True, n_local_attn_heads=1, n_top_buckets=1, weight_routed_values=False),
+    "causal-extras": dict(
+        causal=True,
+        ff_chunks=3,
+        ff_glu=True,
+        emb_dim=8,
+        layer_dropout=0.3,
+        attn_dropout=0.1,
+        ff_dropout=0.1,
+        randomly_truncate_sequence=True,
+        **PKM,
+    ),
+    "causal-context": dict(causal=True, receives_context=True, context_bucket_size=4),
+    "causal-reversible": dict(causal=True, reversible=True, layer_dropout=0.3, **PKM),  # layer choice drawn on the CPU
+    "masked": dict(n_local_attn_heads=1),
+    "sortcut": dict(n_sortcut=2),
+    "gumbel-sinkhorn": dict(non_permutative=False, use_simple_sort_net=True, weight_tie=True),
+    "masked-context-sortcut": dict(receives_context=True, context_n_sortcut=1),
+}
+
+
+def build(name, seed=0, **overrides):
+    options = {**TINY, "max_position_embeddings": 64, **CONFIGS[name], **overrides}
+    torch.manual_seed(seed)
+    config = SinkhornConfig(**options)
+    cls = SinkhornForCausalLM if config.causal else SinkhornForMaskedLM
+    return cls(config).train()
+
+
+def batch(model, batch_size=2, length=30, seed=1):
+    """input ids, a padded attention mask (row 1 padded: left for a causal model, right otherwise), labels, and a
+    padded context for models that receive one."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 40, (batch_size, length), generator=gen)
+    mask = torch.ones(batch_size, length, dtype=torch.long)
+    if model.config.causal:
+        mask[-1, :5] = 0
+    else:
+        mask[-1, -5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if model.config.receives_context:
+        kwargs["encoder_hidden_states"] = torch.randn(batch_size, 11, model.config.hidden_size, generator=gen)
+        context_mask = torch.ones(batch_size, 11, dtype=torch.long)
+        context_mask[-1, -3:] = 0
+        kwargs["encoder_attention_mask"] = context_mask
+    return kwargs
+
+
+def training_step(model, kwargs):
+    def step():
+        model.zero_grad(set_to_none=True)  # each step creates the gradients (no accumulation into earlier ones)
+        model(**kwargs).loss.backward()
+
+    return step
+
+
+# ---- no host reads ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_training_step_reads_nothing_back_to_the_host(name):
+    model = build(name)
+    counts = count_dispatched_ops(training_step(model, batch(model)))
+    assert counts["aten.mm"] + counts["aten.addmm"] + counts["aten.bmm"] > 0  # the step really ran
+    assert sync_ops(counts) == {}
+
+
+def test_bad_token_ids_still_raise_without_a_host_read():
+    model = build("causal")
+    counts = count_dispatched_ops(lambda: model(torch.tensor([[1, 2, 3]])))
+    assert counts["aten._assert_async"] == 1 and sync_ops(counts) == {}
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 40\)"):
+        model(torch.tensor([[1, 2, 40]]))
+
+
+@pytest.mark.parametrize("name", ["causal", "sortcut"])
+def test_operators_per_training_step_do_not_grow_with_batch_or_length(name):
+    # (not compared: a batch of one, which launches fewer (gradients of tensors broadcast over the batch need no
+    # reduction), and lengths that are multiples of bucket_size (no padding to trim))
+    model = build(name)
+    counts = [
+        sum(kernel_ops(count_dispatched_ops(training_step(model, batch(model, b, n)))).values())
+        for b, n in ((2, 26), (5, 26), (3, 62))
+    ]
+    assert counts[0] == counts[1] == counts[2]
+
+
+# ---- torch.compile ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["causal-local-unweighted", "causal-context", "gumbel-sinkhorn"])  # + fullgraph below
+def test_training_forward_is_one_graph(name):
+    model = build(name, attn_dropout=0.1)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**batch(model))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+
+
+def loss_and_grads(model, kwargs, run=None):
+    """Loss and parameter gradients of one step of `run` (default: the model itself; a compiled wrapper of it)."""
+    model.zero_grad()
+    loss = (model if run is None else run)(**kwargs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_compiled_equals_eager(name, backend, **overrides):
+    model = build(name, **overrides)
+    kwargs = batch(model)
+    loss, grads = loss_and_grads(model, kwargs)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        compiled_loss, compiled_grads = loss_and_grads(model, kwargs, run=compiled)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
+    assert compiled_grads.keys() == grads.keys() and len(grads) > 10
+    for key, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[key], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["causal", "sortcut"])
+def test_fullgraph_compile_traces_forward_and_backward_to_the_eager_numbers(name):
+    # aot_eager: the whole forward and backward traced into one graph each (fast to compile); inductor below
+    assert_compiled_equals_eager(name, "aot_eager", num_hidden_layers=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["causal", "causal-local-unweighted", "sortcut", "gumbel-sinkhorn"])
+def test_fullgraph_inductor_compile_gives_the_eager_numbers(name):
+    assert_compiled_equals_eager(name, "inductor")
+
+
+# ---- bf16 ---------------------------------------------------------------------------------------------------
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("name", ["causal-local-unweighted", "causal-context", "sortcut", "gumbel-sinkhorn"])
+@pytest.mark.parametrize("mode", ["backward-inside-autocast", "backward-outside-autocast", "bf16-weights"])
+def test_bf16_training_step_is_finite_and_close_to_float32(name, mode):
+    model = build(name)
+    kwargs = batch(model)
+    torch.manual_seed(3)
+    reference = model(**kwargs).loss
+    reference.backward()
+    reference_grads = flat_grads(model)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)  # the same Gumbel noise where training draws it
+    if mode == "bf16-weights":
+        model.to(torch.bfloat16)
+        if "encoder_hidden_states" in kwargs:
+            kwargs["encoder_hidden_states"] = kwargs["encoder_hidden_states"].bfloat16()
+        loss = model(**kwargs).loss
+        loss.backward()
+        assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters() if p.grad is not None)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**kwargs).loss
+            if mode == "backward-inside-autocast":
+                loss.backward()
+        if mode == "backward-outside-autocast":
+            loss.backward()
+    grads = flat_grads(model)
+    assert grads.numel() == reference_grads.numel() and torch.isfinite(grads).all()
+    torch.testing.assert_close(loss.float(), reference, rtol=2e-2, atol=0)
+    cosine = torch.nn.functional.cosine_similarity(grads, reference_grads, dim=0)
+    assert cosine > 0.99
+
+
+# ---- attention implementation ---------------------------------------------------------------------------------
+
+
+def head_groups(model):
+    return [
+        group
+        for layer in model.model.layers
+        for attention in (
+            layer.attention.attention,
+            getattr(getattr(layer, "cross_attention", None), "attention", None),
+        )
+        if attention is not None
+        for group in getattr(attention, "groups", [getattr(attention, "heads", None)])
+    ]
+
+
+@pytest.mark.parametrize(
+    "name", ["causal-local-unweighted", "causal-context", "masked", "sortcut", "masked-context-sortcut"]
+)
+def test_sdpa_and_eager_give_the_same_logits_and_gradients(name):
+    sdpa = build(name)
+    eager = build(name, attn_implementation="eager")
+    eager.load_state_dict(sdpa.state_dict())
+    assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    assert {g.implementation for g in head_groups(sdpa)} == {"sdpa"}
+    assert {g.implementation for g in head_groups(eager)} == {"eager"}
+    kwargs = batch(sdpa)
+    results = {}
+    for label, model in (("sdpa", sdpa), ("eager", eager)):
+        model.eval()  # no dropout, no Gumbel noise: the same numbers expected
+        counts = count_dispatched_ops(
+            lambda model=model, label=label: results.__setitem__(label, loss_and_grads(model, kwargs))
+        )
+        fused = sum(n for op, n in counts.items() if "scaled_dot_product" in op)
+        assert (fused > 0) == (label == "sdpa")  # each really runs its own kernel
+        with torch.no_grad():
+            results[label] += (model(**kwargs).logits,)
+    (loss, grads, logits), (eager_loss, eager_grads, eager_logits) = results["sdpa"], results["eager"]
+    torch.testing.assert_close(eager_logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager_loss, loss, rtol=1e-5, atol=1e-6)
+    for key, grad in grads.items():
+        torch.testing.assert_close(eager_grads[key], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item())
+
+
+def test_attn_implementation_from_config_from_pretrained_and_set_attn_implementation(tmp_path):
+    from transformers import AutoModelForMaskedLM
+
+    import longrange  # noqa: F401  (registers the Auto classes)
+
+    model = build("masked")
+    assert model.config._attn_implementation == "sdpa"  # the default, on every device
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert {g.implementation for g in head_groups(loaded)} == {"eager"}
+    loaded.set_attn_implementation("sdpa")
+    assert loaded.config._attn_implementation == "sdpa"
+    assert {g.implementation for g in head_groups(loaded)} == {"sdpa"}
+    configured = AutoModelForMaskedLM.from_config(SinkhornConfig(**TINY, attn_implementation="eager"))
+    assert {g.implementation for g in head_groups(configured)} == {"eager"}
+
+
+@pytest.mark.parametrize("value", ["flex_attention", "flash_attention_2", "paged|eager", "fast"])
+def test_unsupported_attn_implementation_names_the_allowed_values(value):
+    message = rf"attn_implementation='{value}'.*allowed values: 'sdpa', 'eager'"
+    with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+        SinkhornForCausalLM(SinkhornConfig(**TINY, causal=True, attn_implementation=value))
+    model = build("causal")
+    with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+        model.set_attn_implementation(value)
+    assert model.config._attn_implementation == "sdpa"
+
+
+# ---- fewer launches: the ordinary and shifted causal heads in one pass -------------------------------------------
+
+
+def test_paired_causal_heads_equal_two_separate_passes_with_fewer_launches():
+    from longrange.modeling_sinkhorn import SinkhornSelfAttention
+
+    config = SinkhornConfig(**TINY, causal=True, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(5)
+    attention = SinkhornSelfAttention(config).double().train()
+    for group in attention.groups:
+        torch.nn.init.normal_(group.null_keys)
+        torch.nn.init.normal_(group.null_values)
+    assert attention.runs == [[0, 1]]  # 2 ordinary + 2 shifted heads: one pass
+    hidden = torch.randn(2, 29, 16, dtype=torch.float64)
+    mask = torch.ones(2, 29, dtype=torch.bool)
+    mask[1, :6] = False
+    padded = torch.nn.functional.pad(mask, (0, 3))  # to a bucket multiple, as the model does
+
+    def run(runs):
+        attention.runs = runs
+        attention.zero_grad(set_to_none=True)
+        x = torch.nn.functional.pad(hidden, (0, 0, 0, 3)).requires_grad_(True)
+        out = attention(x, padded)
+        (out[:, :29] * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
+        return out[:, :29].detach(), x.grad, {n: p.grad.clone() for n, p in attention.named_parameters()}
+
+    counts = {}
+    for label, runs in (("paired", [[0, 1]]), ("separate", [[0], [1]])):
+        counts[label] = sum(kernel_ops(count_dispatched_ops(lambda runs=runs: run(runs))).values())
+    paired, separate = run([[0, 1]]), run([[0], [1]])
+    real = mask[..., None].expand(-1, -1, 16)
+    torch.testing.assert_close(paired[0][real], separate[0][real], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(paired[1], separate[1], rtol=1e-12, atol=1e-12)
+    for name, grad in separate[2].items():  # routing scores run in float32: their gradients agree to float32
+        torch.testing.assert_close(paired[2][name], grad, rtol=1e-6, atol=1e-9)
+    assert counts["paired"] < 0.7 * counts["separate"]
+
+
+def test_paired_causal_heads_keep_cached_generation_exact():
+    from tests.test_sinkhorn_model import causal_lm, stepwise_logits
+
+    model = causal_lm(seed=6, n_top_buckets=2, num_attention_heads=4)  # no local heads: the paired pass
+    assert model.model.layers[0].attention.attention.runs == [[0, 1]]
+    ids = torch.randint(0, 40, (2, 35))
+    mask = torch.ones(2, 35, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    for prefill in (3, 17):  # the cache filled by the paired pass mid-bucket, then stepped across boundaries
+        stepped = stepwise_logits(model, ids, mask, prefill=prefill)
+        torch.testing.assert_close(stepped[mask.bool()], full[mask.bool()], rtol=1e-5, atol=1e-5)
