@@ -281,7 +281,9 @@ class MemoryTrainer(LongrangeTrainer):
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         if config is None or not carries_cache(config):
             kind = getattr(config, "model_type", type(self.model).__name__)
-            raise ValueError(f"MemoryTrainer needs a model that keeps a memory (model_type 'compressive'), got {kind!r}")
+            raise ValueError(
+                f"MemoryTrainer needs a model that keeps a memory (model_type 'compressive'), got {kind!r}"
+            )
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"MemoryTrainer does not support torch.nn.DataParallel (n_gpu={self.args.n_gpu}): the memory cannot be "

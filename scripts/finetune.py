@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments,
 
 import longrange  # noqa: E402,F401  registers the longrange model types with the Auto classes
 from longrange.data import check_window, load_corpus, tokenize_corpus, window_multiple, windows_dataset  # noqa: E402
-from longrange.hub import check_model_source, write_model_card  # noqa: E402
+from longrange.hub import check_model_source  # noqa: E402
 from longrange.metrics import load_metric  # noqa: E402
 from longrange.tokenization import is_byte_tokenizer  # noqa: E402
 from longrange.trainer import LongrangeTrainer, MemoryTrainer, StreamWindows  # noqa: E402

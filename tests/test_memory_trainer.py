@@ -37,6 +37,7 @@ def single_thread():
     yield
     torch.set_num_threads(threads)
 
+
 WINDOW = 16  # two segments of 8
 LR = 1e-2
 
@@ -150,7 +151,9 @@ def test_stream_windows_layout():
         assert torch.equal(batch["input_ids"], expected) and torch.equal(batch["labels"], expected)
         assert batch["stream"].lanes == tuple(lanes) and batch["stream"].position == step
     # one process with accumulation 2 reads exactly the lanes two processes read side by side
-    single = list(torch.utils.data.DataLoader(stream.laid_out(2, 1, 2), batch_size=2, collate_fn=collate_stream_windows))
+    single = list(
+        torch.utils.data.DataLoader(stream.laid_out(2, 1, 2), batch_size=2, collate_fn=collate_stream_windows)
+    )
     two = list(torch.utils.data.DataLoader(stream.laid_out(2, 2, 1), batch_size=2, collate_fn=collate_stream_windows))
     assert [b["stream"] for b in single] == [b["stream"] for b in two]
 
@@ -238,8 +241,15 @@ def test_memory_state_round_trip():
 def test_memory_trainer_rejects_what_it_cannot_stream(tmp_path):
     torch.manual_seed(0)
     sinkhorn = SinkhornForCausalLM(
-        SinkhornConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, bucket_size=8,
-                       max_position_embeddings=64, causal=True)  # fmt: skip
+        SinkhornConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            bucket_size=8,
+            max_position_embeddings=64,
+            causal=True,
+        )  # fmt: skip
     )
     with pytest.raises(ValueError, match="keeps a memory"):
         MemoryTrainer(model=sinkhorn, args=training_args(tmp_path, 2, 1, 1), train_dataset=StreamWindows(TRAIN_IDS, 16))
