@@ -267,7 +267,7 @@ def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
     from longrange.tokenization import byte_tokenizer
 
     data = tmp_path / "generated.txt"
-    data.write_bytes(make_ids(1000, seed=3).astype(np.uint8).tobytes())  # 900 train bytes: 4 lanes x 14 windows
+    data.write_bytes(make_ids(1000, seed=3).astype(np.uint8).tobytes())  # 800 train bytes: 4 lanes x 12 windows
     tok = byte_tokenizer()
     torch.manual_seed(0)
     config = CompressiveConfig(
@@ -277,13 +277,13 @@ def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
     CompressiveForCausalLM(config).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     finetune = ROOT / "scripts" / "finetune.py"
-    common = [str(tmp_path / "base"), "--data", str(data), "--window", "16", "--max_steps", "4", "--logging_steps", "1"]
+    common = [str(tmp_path / "base"), "--data", str(data), "--split", "0.8", "0.2", "--window", "16", "--max_steps", "4"]
     common += ["--learning_rate", "1e-2", "--save_steps", "100", "--eval_steps", "2", "--per_device_train_batch_size"]
-    common += ["2"]
+    common += ["2", "--logging_steps", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    commands = {  # evaluation: 4 lanes either way (2 processes x 2 rows, 1 x 4)
+    commands = {  # evaluation: 4 lanes of 50 bytes (3 windows each) either way (2 processes x 2 rows, 1 x 4)
         "accumulated": [sys.executable, str(finetune), *common, "--gradient_accumulation_steps", "2"]
         + ["--per_device_eval_batch_size", "4"],
         "two_processes": [*launch, str(finetune), *common, "--per_device_eval_batch_size", "2"],
