@@ -316,7 +316,14 @@ class MemoryTrainer(LongrangeTrainer):
                 f"MemoryTrainer: the {description.lower()} dataset must be a longrange.trainer.StreamWindows, got "
                 f"{type(dataset).__name__}"
             )
-        laid = dataset.laid_out(rows, self.args.world_size, accumulation)
+        try:
+            laid = dataset.laid_out(rows, self.args.world_size, accumulation)
+        except ValueError as err:
+            batch = "per_device_train_batch_size" if phase == "train" else "per_device_eval_batch_size"
+            raise ValueError(
+                f"MemoryTrainer: the {description.lower()} stream is too short for its lanes ({err}); lanes = processes"
+                f" x {'gradient_accumulation_steps x ' if phase == 'train' else ''}{batch}: lower {batch} or the window"
+            ) from err
         self._layouts[phase] = laid
         return self._get_dataloader(
             dataset=laid,

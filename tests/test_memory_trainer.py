@@ -258,6 +258,9 @@ def test_memory_trainer_rejects_what_it_cannot_stream(tmp_path):
         trainer.get_train_dataloader()
     with pytest.raises(ValueError, match="cannot feed"):  # fewer tokens than one window per lane
         StreamWindows(TRAIN_IDS[:40], WINDOW).laid_out(rows=4)
+    trainer.eval_dataset = StreamWindows(TRAIN_IDS[:20], WINDOW)  # 2 evaluation rows: 10 tokens per lane
+    with pytest.raises(ValueError, match="lower per_device_eval_batch_size"):
+        trainer.get_eval_dataloader()
 
 
 @pytest.mark.slow  # two finetune.py runs, one of them two processes: ~1-2 min on a loaded 2-core machine
@@ -277,7 +280,18 @@ def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
     CompressiveForCausalLM(config).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     finetune = ROOT / "scripts" / "finetune.py"
-    common = [str(tmp_path / "base"), "--data", str(data), "--split", "0.8", "0.2", "--window", "16", "--max_steps", "4"]
+    common = [
+        str(tmp_path / "base"),
+        "--data",
+        str(data),
+        "--split",
+        "0.8",
+        "0.2",
+        "--window",
+        "16",
+        "--max_steps",
+        "4",
+    ]
     common += ["--learning_rate", "1e-2", "--save_steps", "100", "--eval_steps", "2", "--per_device_train_batch_size"]
     common += ["2", "--logging_steps", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
