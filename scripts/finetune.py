@@ -4,9 +4,15 @@
         --output_dir runs/ft --max_steps 200 --window 512
 
 The data goes through `longrange.data` (the same corpus loading, tokenisation and windows as `scripts/train.py`), with
-the tokenizer saved in the model folder. Each training row is one fixed window whose length is a multiple of the
-model's segment (Compressive) or bucket (Sinkhorn) size; the Compressive model carries its memory across the segments
-inside a window (not across rows: use scripts/train.py --streaming for Transformer-XL style training).
+the tokenizer saved in the model folder. Windows are a multiple of the model's segment (Compressive) or bucket
+(Sinkhorn) size.
+
+The Compressive model carries its memory across batches by default (`--carry_memory`, Transformer-XL training with
+`longrange.trainer.MemoryTrainer`): every row of a batch continues one contiguous lane of the text, window after
+window, with the memory it left at the previous step, as `scripts/train.py --streaming` does; evaluation streams the
+validation text the same way from an empty memory (lanes = processes x per-device eval batch). `--no-carry_memory`
+trains on shuffled independent windows, each from an empty memory (the memory then spans the segments inside a
+window only). The Sinkhorn model has no memory: independent shuffled windows.
 
 Besides the usual Trainer logs, the Compressive model's two losses are logged separately (`lm_loss`,
 `reconstruction_loss`, and their `eval_` versions), and evaluation reports next-token accuracy (the local `evaluate`
@@ -24,92 +30,18 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-from collections import defaultdict  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed  # noqa: E402
 
 import longrange  # noqa: E402,F401  registers the longrange model types with the Auto classes
 from longrange.data import check_window, load_corpus, tokenize_corpus, window_multiple, windows_dataset  # noqa: E402
-from longrange.hub import check_model_source, write_model_card  # noqa: E402
+from longrange.hub import check_model_source  # noqa: E402
 from longrange.metrics import load_metric  # noqa: E402
 from longrange.tokenization import is_byte_tokenizer  # noqa: E402
-
-
-class LongrangeTrainer(Trainer):
-    """A Trainer that also logs the auxiliary losses a model reports (`lm_loss`, `reconstruction_loss`).
-
-    Trainer optimises and logs `outputs.loss` only (for the Compressive model: LM loss + reconstruction loss).
-    This subclass collects the parts per step and adds their means to the train and eval logs. It also keeps only the
-    logits for `compute_metrics` (the cache and the loss parts are not predictions), and writes the longrange model
-    card when pushing.
-    """
-
-    def __init__(self, *args, card: dict | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._aux = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self.card = dict(card or {})
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # Trainer's rule, written out: with `num_items_in_batch` the model divides the LM loss by the tokens of the
-        # whole accumulated batch over all processes, so Trainer neither divides the loss by the accumulation steps
-        # nor lets the gradient average over processes shrink it (it multiplies the loss by the number of
-        # processes). That is right for the LM part only. The rest (the reconstruction loss) is a plain per-call mean
-        # and would count `accumulation steps x processes` times over, so here it is made a mean over calls instead.
-        normalised = self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        outputs = model(**inputs, **({"num_items_in_batch": num_items_in_batch} if normalised else {}))
-        loss, lm_loss = outputs.loss, getattr(outputs, "lm_loss", None)
-        processes = self.accelerator.num_processes if normalised and self.args.average_tokens_across_devices else 1
-        if normalised and lm_loss is not None:
-            steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
-            loss = processes * lm_loss + (loss - lm_loss) / steps
-        else:
-            loss = loss * processes
-        phase = "train" if model.training else "eval"
-        if lm_loss is not None:
-            if normalised:  # back to the mean over this call's predicted tokens, for the log
-                predicted = inputs["labels"][..., 1:].ne(-100).sum()
-                lm_loss = lm_loss * num_items_in_batch / predicted.clamp_min(1)
-            self._aux[phase]["lm_loss"].append(lm_loss.detach().float())
-        reconstruction = getattr(outputs, "reconstruction_loss", None)
-        if reconstruction is not None:
-            self._aux[phase]["reconstruction_loss"].append(reconstruction.detach().float())
-        return (loss, {"logits": outputs.logits}) if return_outputs else loss
-
-    def _aux_means(self, phase: str) -> dict[str, float]:
-        means = {}
-        for name, values in self._aux[phase].items():
-            mean = torch.stack(values).mean()
-            means[name] = float(self.accelerator.reduce(mean, reduction="mean"))  # average over processes
-        self._aux[phase].clear()
-        return means
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log: the parts since the previous one
-            logs.update(self._aux_means("train"))
-        if "eval_loss" in logs:
-            logs.update({f"eval_{name}": value for name, value in self._aux_means("eval").items()})
-        super().log(logs, start_time)
-
-    def create_model_card(self, **kwargs):
-        if not self.is_world_process_zero():
-            return
-        # the latest evaluation; speed figures describe this machine, not the model
-        metrics = {
-            k: v
-            for entry in self.state.log_history
-            for k, v in entry.items()
-            if k.startswith("eval_") and "runtime" not in k and "per_second" not in k
-        }
-        write_model_card(
-            self.args.output_dir,
-            model=self.accelerator.unwrap_model(self.model),
-            tokenizer=self.processing_class,
-            metrics=metrics or None,
-            repo_id=self.args.hub_model_id,
-            **self.card,
-        )
+from longrange.trainer import LongrangeTrainer, MemoryTrainer, StreamWindows  # noqa: E402
+from longrange.training import carries_cache  # noqa: E402
 
 
 def next_token_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -149,6 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset_config", default=None, help="config name of a Hub dataset")
     p.add_argument("--split", type=float, nargs="+", default=[0.9, 0.1], help="train/validation[/test] fractions")
     p.add_argument("--window", type=int, default=None, help="tokens per row (default: 4 segments / 4 buckets)")
+    p.add_argument(
+        "--carry_memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="carry the Compressive memory from batch to batch over contiguous lanes of the text (default: on for "
+        "the Compressive model; --no-carry_memory trains on shuffled independent windows)",
+    )
     p.add_argument("--output_dir", required=True)
     p.add_argument("--max_steps", type=int, default=-1)
     p.add_argument("--num_train_epochs", type=float, default=1.0)
@@ -214,17 +153,33 @@ def main(argv=None) -> dict[str, float]:
         window = min(window, model.config.max_position_embeddings // unit * unit)
     check_window(window, model.config)
 
+    carry = carries_cache(model.config) if args.carry_memory is None else args.carry_memory
+    if carry and not carries_cache(model.config):
+        raise ValueError(f"--carry_memory needs a model with memory (compressive), got {model.config.model_type!r}")
+
     byte_level = is_byte_tokenizer(tokenizer)
     corpus = load_corpus(args.data, dataset_config=args.dataset_config, split=args.split, as_bytes=byte_level)
     streams = tokenize_corpus(corpus, tokenizer)
-    train_set = windows_dataset(streams.ids["train"], window)
     eval_ids = streams.ids["validation"][: args.max_eval_tokens]
-    eval_set = windows_dataset(eval_ids, window) if len(eval_ids) >= window else None
-    if eval_set is None:
-        print(f"note: the validation split has {len(eval_ids)} tokens, less than one window of {window}: no evaluation")
-
     training_args = training_arguments(args)
-    trainer = LongrangeTrainer(
+    if carry:
+        train_set = StreamWindows(streams.ids["train"], window)
+        # one lane per evaluation row and process: fewer rows when the validation text is short
+        lanes = len(eval_ids) // window
+        rows = min(training_args.per_device_eval_batch_size, lanes // training_args.world_size)
+        if 0 < rows < training_args.per_device_eval_batch_size:
+            print(f"note: {len(eval_ids)} validation tokens fill {lanes} lanes of one window: evaluating {rows} rows")
+            training_args.per_device_eval_batch_size = rows
+        eval_set = StreamWindows(eval_ids, window) if rows > 0 else None
+    else:
+        train_set = windows_dataset(streams.ids["train"], window)
+        eval_set = windows_dataset(eval_ids, window) if len(eval_ids) >= window else None
+    if eval_set is None:
+        print(f"note: the validation split has {len(eval_ids)} tokens, too few for one window of {window} per "
+              "evaluation row: no evaluation")  # fmt: skip
+
+    trainer_cls = MemoryTrainer if carry else LongrangeTrainer
+    trainer = trainer_cls(
         model=model,
         args=training_args,
         train_dataset=train_set,
@@ -241,6 +196,7 @@ def main(argv=None) -> dict[str, float]:
                 "learning_rate": args.learning_rate,
                 "batch size": args.per_device_train_batch_size * args.gradient_accumulation_steps,
                 "window": window,
+                "memory carried across batches": carry,
             },
         },
     )
