@@ -37,7 +37,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_sinkhorn import SinkhornConfig
-from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend
+from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend, check_token_ids
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
 
@@ -1337,19 +1337,6 @@ class SinkhornPreTrainedModel(PreTrainedModel):
                 module.implementation = implementation
 
 
-def _assert_on_device(condition: torch.Tensor, message: str) -> None:
-    """Raise ValueError(message) unless the bool tensor `condition` holds, without reading it back to the host: an
-    asynchronous device assert (on CUDA the failure surfaces at the next synchronisation; on the CPU at once), so a
-    training step never waits for the device and compiles into one graph."""
-    if torch.compiler.is_compiling():
-        torch._assert_async(condition, message)
-        return
-    try:
-        torch._assert_async(condition, message)
-    except RuntimeError as error:
-        raise ValueError(message) from error
-
-
 def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
     if mask is not None and tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (batch, sequence), got {tuple(mask.shape)}")
@@ -1461,10 +1448,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 f"({config.max_position_embeddings})"
             )
         if input_ids is not None:
-            _assert_on_device(
-                ((input_ids >= 0) & (input_ids < config.vocab_size)).all(),
-                f"SinkhornModel: token ids must lie in [0, {config.vocab_size}) (vocab_size)",
-            )
+            check_token_ids(input_ids, config.vocab_size)
         if attention_mask is not None:
             if (
                 attention_mask.dim() == 2

@@ -85,7 +85,7 @@ def test_bad_token_ids_still_raise_without_a_host_read():
     model = build("causal")
     counts = count_dispatched_ops(lambda: model(torch.tensor([[1, 2, 3]])))
     assert counts["aten._assert_async"] == 1 and sync_ops(counts) == {}
-    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 40\)"):
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=40\)"):
         model(torch.tensor([[1, 2, 40]]))
 
 
