@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 import longrange  # noqa: E402,F401  registers the longrange model types with the Auto classes
+from longrange.compat import TRAINER_COUNTS_PREDICTED_LABELS  # noqa: E402
 from longrange.data import check_window, load_corpus, tokenize_corpus, window_multiple, windows_dataset  # noqa: E402
 from longrange.hub import check_model_source, write_model_card  # noqa: E402
 from longrange.metrics import load_metric  # noqa: E402
@@ -76,6 +77,15 @@ class LongrangeTrainer(Trainer):
         if reconstruction is not None:
             self._aux[phase]["reconstruction_loss"].append(reconstruction.detach().float())
         return (loss, {"logits": outputs.logits}) if return_outputs else loss
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        # the divisor of the summed LM loss: the predicted tokens, `labels[..., 1:]` (transformers < 5.10.1 counted
+        # every label, one per row too many; later versions count these, and this changes nothing there)
+        if not TRAINER_COUNTS_PREDICTED_LABELS:
+            batch_samples = [
+                {**batch, "labels": batch["labels"][..., 1:]} if "labels" in batch else batch for batch in batch_samples
+            ]
+        return super()._get_num_items_in_batch(batch_samples, device)
 
     def _aux_means(self, phase: str) -> dict[str, float]:
         means = {}
