@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
+from .compat import cache_output
 from .configuration_compressive import CompressiveConfig
 from .layers import FeedForward, attend, blockwise_attention, check_token_ids, sinusoidal_embedding
 from .product_key_memory import ProductKeyMemory
@@ -597,6 +598,7 @@ def _masked_mse(prediction: torch.Tensor, target: torch.Tensor, valid: torch.Ten
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@cache_output
 @dataclass
 class CompressiveModelOutput(ModelOutput):
     """last_hidden_state [batch, seq, hidden]; cache (when use_cache); hidden_states (embeddings + each layer's
@@ -612,6 +614,7 @@ class CompressiveModelOutput(ModelOutput):
     reconstruction_loss: torch.FloatTensor | None = None
 
 
+@cache_output
 @dataclass
 class CompressiveCausalLMOutput(ModelOutput):
     """loss = lm_loss + reconstruction_loss_weight * reconstruction_loss (what Trainer optimises); lm_loss and

@@ -33,9 +33,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithCrossAttentions, MaskedLMOutput
+from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils.generic import can_return_tuple
 
+from .compat import BaseModelOutputWithPast, CausalLMOutputWithCrossAttentions
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend, check_token_ids
 from .product_key_memory import ProductKeyMemory

@@ -43,6 +43,7 @@ from torch.utils.data import Dataset, SequentialSampler
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
+from .compat import TRAINER_COUNTS_PREDICTED_LABELS
 from .data import StreamBatcher
 from .modeling_compressive import CompressiveMemoryCache, CompressiveMemoryLayer
 from .training import carries_cache
@@ -96,6 +97,15 @@ class LongrangeTrainer(Trainer):
         if reconstruction is not None:
             self._aux[phase]["reconstruction_loss"].append(reconstruction.detach().float())
         return (loss, {"logits": outputs.logits}) if return_outputs else loss
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        # the divisor of the summed LM loss: the predicted tokens, `labels[..., 1:]` (transformers < 5.10.1 counted
+        # every label, one per row too many; later versions count these, and this changes nothing there)
+        if not TRAINER_COUNTS_PREDICTED_LABELS:
+            batch_samples = [
+                {**batch, "labels": batch["labels"][..., 1:]} if "labels" in batch else batch for batch in batch_samples
+            ]
+        return super()._get_num_items_in_batch(batch_samples, device)
 
     def _aux_means(self, phase: str) -> dict[str, float]:
         means = {}

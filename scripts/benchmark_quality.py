@@ -185,19 +185,26 @@ def main(argv=None) -> dict:
     p.add_argument("--models", nargs="*", default=["compressive", "sinkhorn"], choices=["compressive", "sinkhorn"])
     p.add_argument("--steps", type=int, default=None, help="override the optimizer steps")
     p.add_argument("--learning_rate", type=float, default=1e-3)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument(
+        "--data",
+        default=None,
+        help="text file, or 'stdlib' (the Python standard library's sources); default: Tiny Shakespeare in "
+        "../shared/data, with --quick the stdlib sources (a smoke run needs no data outside the repository)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both sides (1: fair on a shared CPU)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if not args.data.is_file():
+    if args.data is None:
+        args.data = "stdlib" if args.quick else str(DEFAULT_DATA)
+    if args.data != "stdlib" and not Path(args.data).is_file():
         raise SystemExit(f"no such file: {args.data} (Tiny Shakespeare is expected in ../shared/data)")
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.steps:
         size["steps"] = args.steps
     print(
-        f"Tiny Shakespeare, char level (byte tokenizer), 90/10 split; {size['layers']} layers x {size['hidden']} "
+        f"{Path(args.data).name}, char level (byte tokenizer), 90/10 split; {size['layers']} layers x {size['hidden']} "
         f"wide, {size['heads']} heads, window {size['window']}, batch {size['batch']}, {size['steps']} steps, "
         f"lr {args.learning_rate}; validation on the first {size['eval_tokens']:,} characters"
     )

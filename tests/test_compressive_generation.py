@@ -8,6 +8,7 @@ import torch
 from test_compressive_model import COMPRESSIONS, VOCAB, single_thread, tiny_model  # noqa: F401
 
 from longrange import CompressiveMemoryCache
+from longrange.compat import CACHE_NAME
 
 
 def greedy_by_full_recomputation(model, ids, mask, new_tokens):
@@ -75,7 +76,7 @@ def test_generate_continues_from_a_returned_cache():
     model = tiny_model()
     ids = torch.randint(0, VOCAB, (1, 7))
     result = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-    cache = result.cache
+    cache = getattr(result, CACHE_NAME)  # generate()'s own output: `past_key_values` before transformers 5.24
     assert isinstance(cache, CompressiveMemoryCache)
     # the cache has seen all but the last generated token (that one was never fed back)
     assert cache.get_seq_length() == result.sequences.shape[1] - 1
@@ -112,6 +113,7 @@ def test_cache_size_stays_constant_while_generating():
 
     # the same through generate(): the returned cache holds the same bounded number of slots
     result = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
-    layer = result.cache.layers[0]
+    cache = getattr(result, CACHE_NAME)
+    layer = cache.layers[0]
     assert (layer.c_mem.shape[1], layer.mem.shape[1]) == (3, 6)
-    assert result.cache.memory_slots() <= 3 + 6 + 4
+    assert cache.memory_slots() <= 3 + 6 + 4

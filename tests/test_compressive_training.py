@@ -114,7 +114,9 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = tiny_model(seed=3).train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            # transformers 5.23 renamed gradient_checkpointing_enable (kept, deprecated) to activation_checkpointing_enable
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
             assert all(layer.gradient_checkpointing for layer in model.model.layers)
         out = model(ids, labels=ids)
         out.loss.backward()
