@@ -229,9 +229,9 @@ def test_bad_inputs_raise_clear_errors():
     model = causal_lm(seed=10, max_position_embeddings=32)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.randint(0, 40, (1, 33)))
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="input_ids must lie in .0, vocab_size="):
         model(torch.tensor([[1, 2, 40]]))
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="input_ids must lie in .0, vocab_size="):
         model(torch.tensor([[1, -2, 3]]))
     with pytest.raises(ValueError, match="attention_mask"):
         model(torch.randint(0, 40, (2, 10)), attention_mask=torch.ones(2, 9))
