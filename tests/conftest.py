@@ -43,7 +43,9 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def _read_guard_allows_pytest_temporary_folders(tmp_path_factory):
-    GUARD.allow(tmp_path_factory.getbasetemp())
+    basetemp = tmp_path_factory.getbasetemp()
+    # with no --basetemp, pytest numbers its folders under pytest-of-<user> and scans that root to prune old ones
+    GUARD.allow(basetemp.parent if basetemp.parent.name.startswith("pytest-of-") else basetemp)
     os.environ.update(GUARD.child_env())
 
 
