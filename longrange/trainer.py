@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import transformers
+from packaging.version import Version
 from torch.utils.data import Dataset, SequentialSampler
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
@@ -47,6 +49,11 @@ from .compat import TRAINER_COUNTS_PREDICTED_LABELS
 from .data import StreamBatcher
 from .modeling_compressive import CompressiveMemoryCache, CompressiveMemoryLayer
 from .training import carries_cache
+
+# versions on which MemoryTrainer was checked against the plain streaming loop (tests/test_memory_trainer.py): 5.17
+# and 5.24 equal it; 5.5 does not after a mid-training evaluation under gradient accumulation (not bisected further)
+MEMORY_TRAINER_MIN_TRANSFORMERS = (5, 17)
+MEMORY_TRAINER_SUPPORTED = Version(transformers.__version__).release >= MEMORY_TRAINER_MIN_TRANSFORMERS
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +294,12 @@ class MemoryTrainer(LongrangeTrainer):
     """
 
     def __init__(self, *args, data_collator=None, **kwargs):
+        if not MEMORY_TRAINER_SUPPORTED:
+            raise RuntimeError(
+                f"MemoryTrainer needs transformers >= {'.'.join(map(str, MEMORY_TRAINER_MIN_TRANSFORMERS))} (installed: "
+                f"{transformers.__version__}): on transformers 5.5 the training step after an evaluation under gradient "
+                "accumulation differs from the streaming loop; LongrangeTrainer (no memory across batches) works"
+            )
         super().__init__(*args, data_collator=data_collator or collate_stream_windows, **kwargs)
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         if config is None or not carries_cache(config):

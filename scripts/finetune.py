@@ -40,7 +40,7 @@ from longrange.data import check_window, load_corpus, tokenize_corpus, window_mu
 from longrange.hub import check_model_source  # noqa: E402
 from longrange.metrics import load_metric  # noqa: E402
 from longrange.tokenization import is_byte_tokenizer  # noqa: E402
-from longrange.trainer import LongrangeTrainer, MemoryTrainer, StreamWindows  # noqa: E402
+from longrange.trainer import MEMORY_TRAINER_SUPPORTED, LongrangeTrainer, MemoryTrainer, StreamWindows  # noqa: E402
 from longrange.training import carries_cache  # noqa: E402
 
 
@@ -153,7 +153,8 @@ def main(argv=None) -> dict[str, float]:
         window = min(window, model.config.max_position_embeddings // unit * unit)
     check_window(window, model.config)
 
-    carry = carries_cache(model.config) if args.carry_memory is None else args.carry_memory
+    # default: carry memories where the model has them and the installed transformers supports MemoryTrainer
+    carry = carries_cache(model.config) and MEMORY_TRAINER_SUPPORTED if args.carry_memory is None else args.carry_memory
     if carry and not carries_cache(model.config):
         raise ValueError(f"--carry_memory needs a model with memory (compressive), got {model.config.model_type!r}")
 

@@ -6,8 +6,18 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from longrange.compat import CACHE_NAME
+
+# torch.compile of whole models: before transformers 5.24 the cache field is `past_key_values`, and the output
+# classes that bridge both names (longrange/compat.py) make dynamo break the graph at every output (README,
+# Supported versions). The host-read and operator counts hold on every version.
+needs_traceable_outputs = pytest.mark.skipif(
+    CACHE_NAME != "cache", reason="fullgraph compile of the models needs transformers >= 5.24 (cache field name)"
+)
 
 # operators that read a device value back to the host: `.item()`, `.tolist()`, `bool(t)` (`_local_scalar_dense`),
 # `torch.where(cond)` / `nonzero` and the ops whose output size depends on values (`nonzero_static` has a fixed

@@ -69,7 +69,11 @@ def main() -> None:
         from accelerate.commands.config.config_args import load_config_from_file
         from accelerate.utils import FullyShardedDataParallelPlugin
         from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-        from torch.distributed.fsdp import fully_shard
+
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.7: FSDP2 lived under _composable
+            from torch.distributed._composable.fsdp import fully_shard
 
         fsdp_config = load_config_from_file(str(REPO / args.accelerate_config)).fsdp_config
         assert fsdp_config["fsdp_version"] == 2, fsdp_config

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from longrange import CompressiveConfig, CompressiveForCausalLM
-from tests.dispatch_utils import count_dispatched_ops, kernel_ops, sync_ops
+from tests.dispatch_utils import count_dispatched_ops, kernel_ops, needs_traceable_outputs, sync_ops
 
 VOCAB = 41
 OPTIONS = [
@@ -62,6 +62,7 @@ def training_step(model, size: int = 2, length: int = 16):
     return lambda: model(ids, attention_mask=mask, labels=ids).loss.backward()
 
 
+@needs_traceable_outputs
 @pytest.mark.parametrize("options", OPTIONS)
 def test_training_forward_is_one_graph(options):
     model = tiny_model(**options)
@@ -95,6 +96,7 @@ def test_operators_per_training_step_do_not_grow_with_the_batch(implementation, 
     assert totals[0] == totals[1] == totals[2], totals
 
 
+@needs_traceable_outputs
 @pytest.mark.parametrize(
     "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 )  # aot_eager: the traced forward and backward graphs; inductor: also the generated kernels (minutes on 2 cores)
@@ -151,6 +153,7 @@ def test_training_with_bf16_weights(implementation):
         assert p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all(), name
 
 
+@needs_traceable_outputs
 def test_cached_decoding_step_is_one_graph_and_reads_nothing_back():
     """A decoding step on a cache holding compressed memory, memory and an unfinished segment (issue: decoding at
     GPU speed needs this before static shapes)."""

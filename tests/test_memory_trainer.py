@@ -24,9 +24,28 @@ from safetensors.torch import load_file
 from transformers import TrainingArguments
 
 from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
-from longrange.trainer import MemoryTrainer, StreamWindows, collate_stream_windows, memory_from_state, memory_state
+from longrange.trainer import (
+    MEMORY_TRAINER_SUPPORTED,
+    MemoryTrainer,
+    StreamWindows,
+    collate_stream_windows,
+    memory_from_state,
+    memory_state,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# below the version MemoryTrainer supports, only its refusal is tested (test_refuses_unsupported_transformers)
+needs_supported = pytest.mark.skipif(
+    not MEMORY_TRAINER_SUPPORTED, reason="MemoryTrainer refuses this transformers version (tested below)"
+)
+
+
+@pytest.mark.skipif(MEMORY_TRAINER_SUPPORTED, reason="the installed transformers is supported")
+def test_refuses_unsupported_transformers(tmp_path):
+    with pytest.raises(RuntimeError, match="MemoryTrainer needs transformers >="):
+        MemoryTrainer(model=tiny_compressive(), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -158,6 +177,7 @@ def test_stream_windows_layout():
     assert [b["stream"] for b in single] == [b["stream"] for b in two]
 
 
+@needs_supported
 @pytest.mark.parametrize("rows, accumulation", [(4, 1), (2, 2)])
 def test_losses_and_evaluations_equal_streaming_loop(tmp_path, rows, accumulation):
     """Per-step losses, mid-training evaluations (memory carried over the evaluation stream from an empty start) and
@@ -191,6 +211,7 @@ def test_losses_and_evaluations_equal_streaming_loop(tmp_path, rows, accumulatio
     assert abs(no_memory_eval - reference_eval(reference, EVAL_IDS, 2)) > 1e-4
 
 
+@needs_supported
 def test_memories_survive_save_and_resume(tmp_path, caplog):
     """Resuming from checkpoint-2 (with its saved memories) continues exactly as the uninterrupted run; without the
     memory files the lanes restart from an empty memory (a warning) and the losses differ."""
@@ -238,6 +259,7 @@ def test_memory_state_round_trip():
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@needs_supported
 def test_memory_trainer_rejects_what_it_cannot_stream(tmp_path):
     torch.manual_seed(0)
     sinkhorn = SinkhornForCausalLM(
@@ -263,6 +285,7 @@ def test_memory_trainer_rejects_what_it_cannot_stream(tmp_path):
         trainer.get_eval_dataloader()
 
 
+@needs_supported
 @pytest.mark.slow  # two finetune.py runs, one of them two processes: ~1-2 min on a loaded 2-core machine
 def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
     """scripts/finetune.py (memory carried by default): 2 processes x 2 rows = 1 process x 2 rows x 2 accumulation
