@@ -9,6 +9,7 @@ fails the session at the end.
 from __future__ import annotations
 
 import atexit
+import getpass
 import os
 import random
 import shutil
@@ -43,9 +44,10 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def _read_guard_allows_pytest_temporary_folders(tmp_path_factory):
-    basetemp = tmp_path_factory.getbasetemp()
-    # with no --basetemp, pytest numbers its folders under pytest-of-<user> and scans that root to prune old ones
-    GUARD.allow(basetemp.parent if basetemp.parent.name.startswith("pytest-of-") else basetemp)
+    # with no --basetemp, pytest numbers its folders under <tmp>/pytest-of-<user>, which it scans to prune old ones
+    # when the base folder is first asked for (just below)
+    GUARD.allow(Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}")
+    GUARD.allow(tmp_path_factory.getbasetemp())
     os.environ.update(GUARD.child_env())
 
 
