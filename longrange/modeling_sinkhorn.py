@@ -1412,8 +1412,11 @@ class SinkhornModel(SinkhornPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast:
         config = self.config
-        if kwargs.get("output_attentions"):
-            raise ValueError("SinkhornModel: output_attentions is not supported (attention runs in a fused kernel)")
+        if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+            raise ValueError(
+                "SinkhornModel: output_attentions is not supported yet (the bucketed attention does not return its "
+                "weights); the Compressive model returns them"
+            )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("SinkhornModel: pass exactly one of input_ids or inputs_embeds")
         cache = cache if cache is not None else past_key_values
@@ -1665,6 +1668,7 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_attentions=kwargs.pop("output_attentions", None),
             return_dict=True,
         )
         hidden = outputs.last_hidden_state
@@ -1704,6 +1708,7 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
             encoder_attention_mask=encoder_attention_mask,
             use_cache=False,
             output_hidden_states=output_hidden_states,
+            output_attentions=kwargs.pop("output_attentions", None),
             return_dict=True,
         )
         logits = self._logits(outputs.last_hidden_state)
