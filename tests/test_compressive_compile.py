@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longrange import CompressiveConfig, CompressiveForCausalLM
+from longrange import CompressiveForCausalLM
 from tests.dispatch_utils import count_dispatched_ops, kernel_ops, needs_traceable_outputs, sync_ops
+from tests.test_compressive_model import VOCAB
+from tests.test_compressive_model import tiny_model as compressive_tiny_model
 
-VOCAB = 41
 OPTIONS = [
     dict(),
     dict(compression_function="most_used", reconstruction_loss="none"),
@@ -28,25 +29,9 @@ def fresh_dynamo():
 
 
 def tiny_model(seed: int = 0, **overrides) -> CompressiveForCausalLM:
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        segment_length=4,
-        mem_len=4,
-        c_mem_len=2,
-        compression_rate=2,
-    )
-    settings.update(overrides)
-    torch.manual_seed(seed)
-    model = CompressiveForCausalLM(CompressiveConfig(**settings)).train()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.attention.content_bias.normal_(0, 0.5)
-            layer.attention.position_bias.normal_(0, 0.5)
-    return model
+    """The model tests' tiny model (non-trivial u / v biases), in training mode, with a short memory: 16 tokens
+    evict and compress."""
+    return compressive_tiny_model(seed, **{"mem_len": 4, "c_mem_len": 2, **overrides}).train()
 
 
 def batch_of(size: int, length: int = 16, pad: int = 3):
