@@ -373,7 +373,8 @@ def main(argv=None) -> dict:
     replica_diff = replica_difference(accelerator, accelerator.unwrap_model(model))
 
     # ---- final artefacts -----------------------------------------------------------------------------------------
-    result = {"output_dir": str(output_dir), "steps": state.step, "parameters": n_params}
+    result = {"output_dir": str(output_dir), "steps": state.step, "parameters": n_params,
+              "train_history": state.history["train"]}  # fmt: skip
     if world > 1:
         log(f"replicas: largest difference between the processes' weight fingerprints {replica_diff:.3g}")
     if main_process:
