@@ -4,6 +4,9 @@
     python scripts/benchmark_quality.py --quick       # tiny models, a few steps: checks that everything runs
     python scripts/benchmark_quality.py               # 6 layers, 256 wide, 100 steps (about 10 minutes on 2 cores)
     python scripts/benchmark_quality.py --models compressive --steps 500 --json results.json
+    # issue 11's protocol (bucket 64, windows of 512), one side at a time, with config overrides for ours:
+    python scripts/benchmark_quality.py --models sinkhorn --size issue11 --learning_rate 5e-4 --max_grad_norm 0.5 \
+        --sides ours --config weight_routed_keys=True
 
 For each family the same size, steps, batch, window, optimizer (AdamW), learning-rate schedule (warm-up + cosine)
 and gradient clipping are used on both sides:
@@ -44,6 +47,10 @@ SIZES = {
     "full": dict(
         hidden=256, layers=6, heads=4, segment=64, bucket=32, window=128, batch=8, steps=100, eval_tokens=16384
     ),
+    # the protocol of issue 11: 6 x 256, 4 heads, bucket 64, windows of 512, batch 8; 20 validation windows
+    "issue11": dict(
+        hidden=256, layers=6, heads=4, segment=128, bucket=64, window=512, batch=8, steps=400, eval_tokens=10240
+    ),
     "quick": dict(hidden=32, layers=2, heads=2, segment=16, bucket=8, window=32, batch=4, steps=6, eval_tokens=1024),
 }
 
@@ -77,13 +84,15 @@ def ours(family: str, size: dict, args, workdir: Path) -> dict:
             "--window", str(size["window"]), "--batch_size", str(size["batch"]), "--max_steps", str(size["steps"]),
             "--learning_rate", str(args.learning_rate), "--eval_every", "0", "--eval_tokens", str(size["eval_tokens"]),
             "--eval_batch_size", "8", "--num_samples", "0", "--save_every", "0", "--seed", str(args.seed),
-            "--num_threads", str(args.threads),
-            "--output_dir", str(out), "--config", *config]  # fmt: skip
+            "--num_threads", str(args.threads), "--max_grad_norm", str(args.max_grad_norm), "--log_every", "1",
+            "--output_dir", str(out), "--config", *config, *args.config]  # fmt: skip
     started = time.perf_counter()
     result = load_train_script().main(argv)
     seconds = time.perf_counter() - started
     metrics = result["metrics"]
-    row = {"bpc": metrics["bits_per_char"], "seconds": seconds, "parameters": result["parameters"]}
+    losses = [record["lm_loss"] for record in result["train_history"]]
+    row = {"bpc": metrics["bits_per_char"], "seconds": seconds, "parameters": result["parameters"],
+           "train_loss_last20": float(np.mean(losses[-20:])), "train_loss": losses}  # fmt: skip
     if family == "compressive":
         # the reference's setting: memories start empty in every validation window
         from transformers import AutoModelForCausalLM
@@ -162,9 +171,10 @@ def reference(family: str, size: dict, args) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, size["steps"], 0.1))
     started = time.perf_counter()
     model.train()
+    losses = []
     for step in range(size["steps"]):
-        train_loss(batcher.batch(step))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        losses.append(train_loss(batcher.batch(step)))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -176,6 +186,8 @@ def reference(family: str, size: dict, args) -> dict:
         "bpc": float(nats / math.log(2)),
         "seconds": seconds,
         "parameters": sum(p.numel() for p in net.parameters()),
+        "train_loss_last20": float(np.mean(losses[-20:])),
+        "train_loss": losses,
     }
 
 
@@ -183,7 +195,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny models and a few steps (seconds)")
     p.add_argument("--models", nargs="*", default=["compressive", "sinkhorn"], choices=["compressive", "sinkhorn"])
+    p.add_argument("--size", choices=sorted(SIZES), default="full", help="model and batch sizes (--quick: quick)")
     p.add_argument("--steps", type=int, default=None, help="override the optimizer steps")
+    p.add_argument("--batch", type=int, default=None, help="override the batch size (both sides)")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (both sides)")
+    p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for ours only")
+    p.add_argument("--sides", nargs="+", default=["ours", "reference"], choices=["ours", "reference"])
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument(
         "--data",
@@ -200,19 +217,22 @@ def main(argv=None) -> dict:
         args.data = "stdlib" if args.quick else str(DEFAULT_DATA)
     if args.data != "stdlib" and not Path(args.data).is_file():
         raise SystemExit(f"no such file: {args.data} (Tiny Shakespeare is expected in ../shared/data)")
-    size = dict(SIZES["quick" if args.quick else "full"])
+    size = dict(SIZES["quick" if args.quick else args.size])
     if args.steps:
         size["steps"] = args.steps
+    if args.batch:
+        size["batch"] = args.batch
     print(
         f"{Path(args.data).name}, char level (byte tokenizer), 90/10 split; {size['layers']} layers x {size['hidden']} "
         f"wide, {size['heads']} heads, window {size['window']}, batch {size['batch']}, {size['steps']} steps, "
         f"lr {args.learning_rate}; validation on the first {size['eval_tokens']:,} characters"
     )
-    results = {"size": size, "learning_rate": args.learning_rate, "rows": []}
+    results = {"size": size, "learning_rate": args.learning_rate, "max_grad_norm": args.max_grad_norm,
+               "seed": args.seed, "config": args.config, "rows": []}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.models:
-            mine = ours(family, size, args, Path(tmp))
-            ref = reference(family, size, args)
+            mine = ours(family, size, args, Path(tmp)) if "ours" in args.sides else None
+            ref = reference(family, size, args) if "reference" in args.sides else None
             package = (
                 "compressive-transformer-pytorch 0.4.0" if family == "compressive" else "sinkhorn-transformer 0.11.4"
             )
@@ -223,13 +243,15 @@ def main(argv=None) -> dict:
     for row in results["rows"]:
         mine, ref = row["ours"], row["reference"]
         label = "longrange (memory carried)" if row["family"] == "compressive" else "longrange"
-        print(f"| {row['family']} | {label} | {mine['parameters']:,} | {mine['bpc']:.4f} | {mine['seconds']:.0f} |")
-        if "bpc_memory_per_window" in mine:
+        if mine:
+            print(f"| {row['family']} | {label} | {mine['parameters']:,} | {mine['bpc']:.4f} | {mine['seconds']:.0f} |")
+        if mine and "bpc_memory_per_window" in mine:
             print(
                 f"| {row['family']} | longrange (fresh memory per window) | | {mine['bpc_memory_per_window']:.4f} | |"
             )
-        print(f"| {row['family']} | {row['reference_package']} | {ref['parameters']:,} | {ref['bpc']:.4f} | "
-              f"{ref['seconds']:.0f} |")  # fmt: skip
+        if ref:
+            print(f"| {row['family']} | {row['reference_package']} | {ref['parameters']:,} | {ref['bpc']:.4f} | "
+                  f"{ref['seconds']:.0f} |")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -393,7 +393,8 @@ def main(argv=None) -> dict:
     full_state = accelerator.get_state_dict(model) if fsdp else None  # a collective: every process calls it
 
     # ---- final artefacts -----------------------------------------------------------------------------------------
-    result = {"output_dir": str(output_dir), "steps": state.step, "parameters": n_params}
+    result = {"output_dir": str(output_dir), "steps": state.step, "parameters": n_params,
+              "train_history": state.history["train"]}  # fmt: skip
     if replica_diff is not None and world > 1:
         log(f"replicas: largest difference between the processes' weight fingerprints {replica_diff:.3g}")
     if main_process:
