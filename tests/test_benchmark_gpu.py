@@ -85,7 +85,12 @@ def test_ratios_pair_rows_of_the_same_precision_mode_and_shape():
 @pytest.mark.slow  # the whole --quick run: 1-2 minutes on a loaded 2-core machine
 def test_quick_mode_runs_every_row(tmp_path):
     out = tmp_path / "gpu.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # the repository first, then what the session has on PYTHONPATH (the read guard of tests/conftest.py)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -17,14 +17,19 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "fsdp_worker.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+
+
+def subprocess_env() -> dict:
+    """Read when a test runs (after tests/conftest.py put the read guard on PYTHONPATH): the repository first."""
+    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}
 
 
 def train(out: Path, *args: str, processes: int = 1) -> subprocess.CompletedProcess:
     launch = [sys.executable] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
     ]  # fmt: skip
-    return subprocess.run([*launch, str(WORKER), *args, "--out", str(out)], env=ENV, capture_output=True, text=True,
+    return subprocess.run([*launch, str(WORKER), *args, "--out", str(out)], env=subprocess_env(), capture_output=True, text=True,
                           timeout=600)  # fmt: skip
 
 

@@ -317,7 +317,8 @@ def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
     ]
     common += ["--learning_rate", "1e-2", "--save_steps", "100", "--eval_steps", "2", "--per_device_train_batch_size"]
     common += ["2", "--logging_steps", "1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # repository, then the read guard
+    env = {**os.environ, "PYTHONPATH": pythonpath, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     commands = {  # evaluation: 4 lanes of 50 bytes (3 windows each) either way (2 processes x 2 rows, 1 x 4)

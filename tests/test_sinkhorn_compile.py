@@ -147,8 +147,8 @@ def test_fullgraph_compile_traces_forward_and_backward_to_the_eager_numbers(name
 
 @needs_traceable_outputs
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["causal", "causal-local-unweighted", "sortcut", "gumbel-sinkhorn"])
-def test_fullgraph_inductor_compile_gives_the_eager_numbers(name):
+@pytest.mark.parametrize("name", ["causal", "causal-local-unweighted", "sortcut"])  # not Gumbel: inductor's RNG
+def test_fullgraph_inductor_compile_gives_the_eager_numbers(name):  # draws other noise than eager's
     assert_compiled_equals_eager(name, "inductor")
 
 

@@ -239,16 +239,16 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_the_floor():
 
 
 @pytest.mark.slow  # inductor compiles forward and backward on the CPU: minutes on 2 busy cores
-def test_compiled_training_matches_eager_training(tmp_path):
+def test_compiled_training_matches_eager_training(tmp_path, play_file):
     # the Compressive model: streaming, its memory carried from step to step through the compiled forward
     model = "compressive"
     from torch._dynamo.utils import counters
 
     common = ["--max_steps", "2", "--save_every", "0", "--batch_size", "2"]
-    run(tmp_path / "eager", *common, model=model)
+    run(tmp_path / "eager", play_file, *common, model=model)
     torch._dynamo.reset()
     counters.clear()
-    run(tmp_path / "compiled", *common, "--compile", model=model)
+    run(tmp_path / "compiled", play_file, *common, "--compile", model=model)
     assert counters["stats"]["unique_graphs"] >= 1  # the training step really went through torch.compile
     torch._dynamo.reset()
     a, b = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
