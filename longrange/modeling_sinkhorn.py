@@ -24,8 +24,6 @@ masked wrap-around).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -127,6 +125,15 @@ def _batch_head_index(b: int, h: int, ndim: int, device) -> tuple[torch.Tensor, 
     return torch.arange(b, device=device).view(shape_b), torch.arange(h, device=device).view(shape_h)
 
 
+def _gather_positions(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Entries of t [b, h, C, d] at positions pos [b, K] (every head) or [b, h, K], clamped into [0, C) (callers
+    mask what falls outside) -> [b, h, K, d]."""
+    b, h, cap, d = t.shape
+    if pos.dim() == 2:
+        pos = pos[:, None].expand(b, h, -1)
+    return t.gather(2, pos.clamp(0, cap - 1)[..., None].expand(-1, -1, -1, d))
+
+
 def _prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
     """t shifted along the bucket dim: entry u holds entry u - shift (u + |shift| when negative), `fill` outside."""
     n = t.shape[dim]
@@ -209,13 +216,15 @@ class LocalHeads(nn.Module):
     def _p(self) -> float:
         return self.dropout if self.training else 0.0
 
-    def step(self, q, keys, values, cache_mask, position, state):
-        """One new token at `position` (keys/values/cache_mask already hold it). q: [b, h, 1, d]."""
-        start = max((position // self.bucket_size - 1) * self.bucket_size, 0)
-        k, v = keys[:, :, start : position + 1], values[:, :, start : position + 1]
-        m = cache_mask[:, None, None, start : position + 1].clone()  # [b, 1, 1, window]
-        m[..., -1] = True  # the token sees itself, padding included (as in `forward`)
-        return attend(q, k, v, m, implementation=self.implementation)
+    def step(self, q, keys, values, position):
+        """One new token per row at `position` [b] (keys/values already hold it; a row's cached tokens are its real
+        tokens, left-aligned). q: [b, h, 1, d]. The window: the previous bucket and the own bucket up to the token."""
+        size = self.bucket_size
+        start = (torch.div(position, size, rounding_mode="floor") - 1) * size  # [b]
+        pos = start[:, None] + torch.arange(2 * size, device=q.device)  # [b, 2B]
+        m = (pos >= 0) & (pos <= position[:, None])
+        k, v = (_gather_positions(t, pos) for t in (keys, values))
+        return attend(q, k, v, m[:, None, None, :], implementation=self.implementation)
 
 
 class SinkhornHeads(nn.Module):
@@ -519,35 +528,26 @@ class CausalSinkhornHeads(nn.Module):
         return out
 
     # -- one token with a cache --------------------------------------------------------------------------------
+    # Static shapes and no host reads: every step computes a routing choice and keeps it only in the rows whose
+    # token leads a bucket (torch.where); positions are per-row tensors.
 
-    def route_step(self, q, position, state, real, sk=None, k_valid=None):
-        """Update the running query sum with the token at `position`; at a bucket's leading token choose its
-        buckets. q: [b, h, 1, d]; real: [b] bool. Self-attention reads key summaries from `state`."""
-        size, off = self.bucket_size, self.offset
-        u = (position + off) // size
-        state["q_sum"] = state["q_sum"] + q[:, :, 0].float() * real[:, None, None]
-        state["q_count"] = state["q_count"] + real.float()
-        if (position + off) % size != 0:
-            return u
-        sq = state["q_sum"] / state["q_count"].clamp_min(1)[:, None, None]  # [b, h, d]
-        d = q.shape[-1]
+    def _choose(self, sq, sk, valid_real):
+        """Routing of one query bucket per row from the query summary sq [b, h, d] over the key-bucket summaries
+        sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
+        unless weight_routed_values), each [b, h, n_sel]."""
+        b, h, d = sq.shape
         if self.cross:
-            scores = torch.einsum("bhd,bhnd->bhn", sq, sk)[:, :, None] * d**-0.5  # [b, h, 1, nk]
-            valid = k_valid[:, None, None, :]
+            scores = torch.einsum("bhd,bhnd->bhn", sq, sk)[:, :, None] * d**-0.5  # [b, h, 1, n]
+            valid = valid_real[:, None, None, :]
             n_sel = min(self.n_top, sk.shape[2])
         else:
-            counts = state["k_count"][:, :u]  # [b, u]
-            sk = state["k_sum"][:, :, :u]
-            if not self.running_key_summary:
-                sk = sk / counts.clamp_min(1)[:, None, :, None]
             if self.zero_null_score:
-                null_scores = sq.new_zeros(q.shape[0], q.shape[1], self.n_top)
+                null_scores = sq.new_zeros(b, h, self.n_top)
             else:
                 null_scores = torch.einsum("bhd,hnd->bhn", sq, self.null_keys.float())
             scores = torch.cat([null_scores, torch.einsum("bhd,bhnd->bhn", sq, sk)], dim=-1)[:, :, None] * d**-0.5
-            valid = torch.cat(
-                [torch.ones(q.shape[0], self.n_top, dtype=torch.bool, device=q.device), counts > 0], dim=-1
-            )[:, None, None, :]
+            nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
+            valid = torch.cat([nulls, valid_real], dim=-1)[:, None, None, :]
             n_sel = self.n_top
         idx, picked_valid, weight = select_buckets(
             scores,
@@ -557,100 +557,150 @@ class CausalSinkhornHeads(nn.Module):
             weighted=self.weight_routed_values,
             sequential=self.sequential_weights,
         )
-        state["route"], state["route_valid"] = idx[:, :, 0], picked_valid[:, :, 0]  # [b, h, n_sel]
-        # the routed values' weights (weight_routed_values), applied where the chosen buckets are gathered
-        state["route_weight"] = weight[:, :, 0, :, None, None] if self.weight_routed_values else None
+        return idx[:, :, 0], picked_valid[:, :, 0], weight[:, :, 0] if self.weight_routed_values else None
+
+    def _key_summaries(self, state, u):
+        """Key-bucket summaries [b, h, nb, d] and which buckets a query bucket u [b] may choose ([b, nb])."""
+        counts = state["k_count"]
+        sk = state["k_sum"] if self.running_key_summary else state["k_sum"] / counts.clamp_min(1)[:, None, :, None]
+        earlier = torch.arange(counts.shape[1], device=counts.device)[None] < u[:, None]
+        return sk, earlier & (counts > 0)
+
+    def route_step(self, q, position, real, state, sk=None, k_valid=None):
+        """Add the token at `position` [b] (real: [b] bool, whether it enters the summaries) to the running query
+        sum; rows whose token leads a bucket choose that bucket's key buckets. Self-attention reads the key
+        summaries from `state`; cross-attention passes the context's (sk, k_valid)."""
+        size, off = self.bucket_size, self.offset
+        u = torch.div(position + off, size, rounding_mode="floor")
+        state["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
+        state["q_count"].add_(real.float())
+        sq = state["q_sum"] / state["q_count"].clamp_min(1)[:, None, None]  # [b, h, d]
+        if not self.cross:
+            sk, k_valid = self._key_summaries(state, u)
+        lead = real & ((position + off) % size == 0)
+        self._keep_route(state, lead, *self._choose(sq, sk, k_valid))
         return u
 
-    def step(self, q, keys, values, cache_mask, position, state):
-        """Causal self-attention of one new token (already written to keys/values/cache_mask). q: [b, h, 1, d].
+    @staticmethod
+    def _keep_route(state, rows, idx, picked_valid, weight):
+        """Store the new routing choice in `rows` [b] (in place: the cache tensors keep their addresses)."""
+        keep = rows[:, None, None]
+        state["route"].copy_(torch.where(keep, idx, state["route"]))
+        state["route_valid"].copy_(torch.where(keep, picked_valid, state["route_valid"]))
+        if weight is not None:
+            state["route_weight"].copy_(torch.where(keep, weight, state["route_weight"]))
 
-        The keys of the current query bucket (its chosen buckets, then its own tokens so far) live in a working
-        buffer built once per bucket; each step appends one token to it, so a step costs one attention over at
-        most (n_top + 1) * bucket_size keys and no gathering."""
+    def step(self, q, k, keys, values, position, real, state):
+        """Causal self-attention of one new token per row at `position` [b] (already written to keys/values, whose
+        first `position` entries are the row's real tokens). q, k: [b, h, 1, d]; real: [b] bool.
+
+        Attention over the chosen buckets of the current query bucket (gathered from the cached keys) and the own
+        bucket up to the token: at most (n_top + 1) * bucket_size keys."""
         size, off = self.bucket_size, self.offset
-        real = cache_mask[:, position]
-        u = (position + off) // size
+        b, h, _, d = q.shape
+        u = torch.div(position + off, size, rounding_mode="floor")  # [b]
         counted = real & (u > 0) if self.skip_first else real  # tokens that enter the routing summaries
-        new_k = keys[:, :, position].float() * counted[:, None, None]
+        new_k = k[:, :, 0].float() * counted[:, None, None]  # [b, h, d]
         if self.running_key_summary:
-            state["k_run_sum"] = state["k_run_sum"] + new_k
-            state["k_run_count"] = state["k_run_count"] + counted.float()
-            new_k = state["k_run_sum"] / state["k_run_count"].clamp_min(1)[:, None, None] * counted[:, None, None]
-        state["k_sum"][:, :, u] += new_k
-        state["k_count"][:, u] += counted.float()
-        self.route_step(q, position, state, counted)
-        start = max(u * size - off, 0)
-        routed = self.n_top * size
-        if state.get("buffer_bucket") != u:
-            self._build_buffer(keys, values, cache_mask, position, start, state)
-            state["buffer_bucket"] = u
-        else:
-            slot = routed + position - start
-            state["k_buffer"][:, :, slot] = keys[:, :, position]
-            state["v_buffer"][:, :, slot] = values[:, :, position]
-            state["m_buffer"][:, :, slot] = real[:, None]
-        end = routed + position - start + 1
-        m = state["m_buffer"][:, :, None, :end]  # [b, h, 1, K]
-        return attend(
-            q, state["k_buffer"][:, :, :end], state["v_buffer"][:, :, :end], m, implementation=self.implementation
-        )
+            state["k_run_sum"].add_(new_k)
+            state["k_run_count"].add_(counted.float())
+            run = state["k_run_sum"] / state["k_run_count"].clamp_min(1)[:, None, None]
+            new_k = run * counted[:, None, None]
+        state["k_sum"].scatter_add_(2, u[:, None, None, None].expand(b, h, 1, d), new_k[:, :, None])
+        state["k_count"].scatter_add_(1, u[:, None], counted.float()[:, None])
+        state["queries"].scatter_(2, position[:, None, None, None].expand(b, h, 1, d), q.to(state["queries"].dtype))
+        self.route_step(q, position, counted, state)
+        routed_k, routed_v, routed_m = self._routed(keys, values, state)
+        own = (u * size - off)[:, None] + torch.arange(size, device=q.device)  # [b, B]
+        own_m = ((own >= 0) & (own <= position[:, None]))[:, None].expand(b, h, size)
+        keys_all = torch.cat([routed_k, _gather_positions(keys, own)], dim=2)
+        values_all = torch.cat([routed_v, _gather_positions(values, own)], dim=2)
+        m = torch.cat([routed_m, own_m], dim=2)[:, :, None, :]  # [b, h, 1, K]
+        return attend(q, keys_all, values_all, m, implementation=self.implementation)
 
-    def _build_buffer(self, keys, values, cache_mask, position, start, state):
-        """Gather the chosen buckets of the current query bucket and its own tokens [start, position]."""
+    def _routed(self, keys, values, state):
+        """Keys, values [b, h, n_sel * B, d] and mask [b, h, n_sel * B] of the chosen buckets of the current query
+        bucket: learned null buckets or earlier buckets of the cached keys."""
         size, off = self.bucket_size, self.offset
         b, h, _, d = keys.shape
         choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
         is_null = choice < self.n_top
         slot = torch.arange(size, device=keys.device)
         pos = (choice - self.n_top).clamp_min(0)[..., None] * size - off + slot  # [b, h, n_sel, B]
-        pos_c = pos.clamp(0, position)
-        bi, hi = _batch_head_index(b, h, 4, keys.device)
+        flat = pos.reshape(b, h, -1)
+        _, hi = _batch_head_index(b, h, 4, keys.device)
         null_i = choice.clamp_max(self.n_top - 1)
         null_k = self.null_keys[hi[..., 0], null_i][..., None, :].to(keys.dtype)  # [b, h, n_sel, 1, d]
         null_v = self.null_values[hi[..., 0], null_i][..., None, :].to(values.dtype)
-        routed_k = torch.where(is_null[..., None, None], null_k, keys[bi, hi, pos_c])  # [b, h, n_sel, B, d]
-        routed_v = torch.where(is_null[..., None, None], null_v, values[bi, hi, pos_c])
-        if state["route_weight"] is not None:
-            routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
+        gathered_k = _gather_positions(keys, flat).view(b, h, -1, size, d)
+        gathered_v = _gather_positions(values, flat).view(b, h, -1, size, d)
+        routed_k = torch.where(is_null[..., None, None], null_k, gathered_k)  # [b, h, n_sel, B, d]
+        routed_v = torch.where(is_null[..., None, None], null_v, gathered_v)
+        if self.weight_routed_values:
+            weight = state["route_weight"][..., None, None]
+            routed_v = routed_v * weight.to(routed_v.dtype)
             if self.weight_routed_keys:
-                routed_k = routed_k * state["route_weight"].to(routed_k.dtype)
+                routed_k = routed_k * weight.to(routed_k.dtype)
         null_slots = slot >= 0 if self.null_copies else slot == 0
-        routed_m = torch.where(is_null[..., None], null_slots, (pos >= 0) & cache_mask[bi, pos_c])
-        routed_m = routed_m & choice_valid[..., None]
-        routed = self.n_top * size
-        total = routed + size
-        k_buffer = keys.new_zeros(b, h, total, d)
-        v_buffer = values.new_zeros(b, h, total, d)
-        m_buffer = torch.zeros(b, h, total, dtype=torch.bool, device=keys.device)
-        k_buffer[:, :, :routed] = routed_k.reshape(b, h, routed, d)
-        v_buffer[:, :, :routed] = routed_v.reshape(b, h, routed, d)
-        m_buffer[:, :, :routed] = routed_m.reshape(b, h, routed)
-        own = position + 1 - start
-        k_buffer[:, :, routed : routed + own] = keys[:, :, start : position + 1]
-        v_buffer[:, :, routed : routed + own] = values[:, :, start : position + 1]
-        m_buffer[:, :, routed : routed + own] = cache_mask[:, None, start : position + 1]
-        state["k_buffer"], state["v_buffer"], state["m_buffer"] = k_buffer, v_buffer, m_buffer
+        routed_m = torch.where(is_null[..., None], null_slots, pos >= 0) & choice_valid[..., None]
+        return routed_k.reshape(b, h, -1, d), routed_v.reshape(b, h, -1, d), routed_m.reshape(b, h, -1)
 
-    def cross_step(self, q, position, state, real, ctx):
-        """Causal decoder cross-attention of one new token. ctx: the cached context (keys, values, mask, ...)."""
+    def cross_step(self, q, position, real, state, ctx):
+        """Causal decoder cross-attention of one new token per row. ctx: the cached context (bucketed keys, values,
+        mask and summaries)."""
         b, h, _, d = q.shape
-        u = self.route_step(q, position, state, real, ctx["sk"], ctx["k_valid"])
-        if state.get("buffer_bucket") != u:  # the chosen context buckets change only at bucket boundaries
-            choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
-            bi, hi = _batch_head_index(b, h, 3, q.device)
-            routed_k = ctx["bk"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
-            routed_v = ctx["bv"][bi, hi, choice]
-            if state["route_weight"] is not None:
-                routed_v = routed_v * state["route_weight"].to(routed_v.dtype)
-                if self.weight_routed_keys:
-                    routed_k = routed_k * state["route_weight"].to(routed_k.dtype)
-            state["k_buffer"] = routed_k.reshape(b, h, -1, d)  # [b, h, n_sel * Bc, d]
-            state["v_buffer"] = routed_v.reshape(b, h, -1, d)
-            state["m_buffer"] = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, -1)
-            state["buffer_bucket"] = u
-        m = state["m_buffer"][:, :, None, :]
-        return attend(q, state["k_buffer"], state["v_buffer"], m, implementation=self.implementation)
+        state["queries"].scatter_(2, position[:, None, None, None].expand(b, h, 1, d), q.to(state["queries"].dtype))
+        self.route_step(q, position, real, state, ctx["sk"], ctx["k_valid"])
+        choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
+        bi, hi = _batch_head_index(b, h, 3, q.device)
+        routed_k = ctx["bk"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
+        routed_v = ctx["bv"][bi, hi, choice]
+        if self.weight_routed_values:
+            weight = state["route_weight"][..., None, None]
+            routed_v = routed_v * weight.to(routed_v.dtype)
+            if self.weight_routed_keys:
+                routed_k = routed_k * weight.to(routed_k.dtype)
+        m = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, 1, -1)
+        return attend(
+            q, routed_k.reshape(b, h, -1, d), routed_v.reshape(b, h, -1, d), m, implementation=self.implementation
+        )
+
+    def rebuild(self, state, length, keys=None, sk=None, k_valid=None):
+        """Recompute the routing state of every row from its first `length` [b] cached queries (and keys, in
+        self-attention), as a prefill of those tokens would leave it: used by `SinkhornCache.crop`."""
+        size, off = self.bucket_size, self.offset
+        queries = state["queries"].float()  # [b, h, C, d]
+        b, h, cap, d = queries.shape
+        pos = torch.arange(cap, device=queries.device)
+        bucket = torch.div(pos + off, size, rounding_mode="floor")  # [C]
+        counted = pos[None] < length[:, None]  # [b, C]
+        if self.skip_first:
+            counted = counted & (bucket > 0)
+        c = counted.float()
+        u = torch.div((length - 1).clamp_min(0) + off, size, rounding_mode="floor")  # the current bucket [b]
+        state["q_sum"].copy_((queries * c[:, None, :, None]).sum(2))
+        state["q_count"].copy_(c.sum(1))
+        if not self.cross:
+            keys = keys.float()
+            nb = state["k_count"].shape[1]
+            per_bucket = F.one_hot(bucket, nb).float()  # [C, nb]
+            if self.running_key_summary:
+                weighted = keys * c[:, None, :, None]
+                run = weighted.cumsum(2) / c.cumsum(1).clamp_min(1)[:, None, :, None]
+                state["k_run_sum"].copy_(weighted.sum(2))
+                state["k_run_count"].copy_(c.sum(1))
+                keys = run
+            state["k_sum"].copy_(torch.einsum("bhcd,bc,cn->bhnd", keys, c, per_bucket))
+            state["k_count"].copy_(c @ per_bucket)
+            sk, k_valid = self._key_summaries(state, u)
+        # the choice of the current bucket, made at its leading token
+        lead = u * size - off  # [b] (-1: the shifted heads' virtual first token)
+        upto = (pos[None] <= lead[:, None]).float() * c
+        sq = (queries * upto[:, None, :, None]).sum(2) / upto.sum(1).clamp_min(1)[:, None, None]
+        idx, picked_valid, weight = self._choose(sq, sk, k_valid)
+        if self.skip_first:  # the short first bucket attends no chosen bucket
+            picked_valid = picked_valid & (u > 0)[:, None, None]
+        self._keep_route(state, torch.ones(b, dtype=torch.bool, device=queries.device), idx, picked_valid, weight)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -827,19 +877,20 @@ class SinkhornSelfAttention(nn.Module):
                     outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=records[run[0]]))
             out = torch.cat(outs, dim=1)
             if layer_cache is not None:
-                layer_cache.fill_self(k, v, records)
+                layer_cache.fill_self(q, k, v, records, self.groups, self.slices)
         out = out.transpose(1, 2).reshape(b, length, -1)
         return self.to_out(out)
 
     def _step(self, q, k, v, layer_cache):
-        position = layer_cache.position
-        keys, values = layer_cache.append_kv(k, v)  # [b, H, cap, d]
-        cache_mask = layer_cache.mask
+        position, real = layer_cache.owner.lengths, layer_cache.owner.step_real  # [b] each
+        keys, values = layer_cache.append_kv(k, v, position)  # [b, H, capacity, d]
         outs = []
         for i, (group, (s, e)) in enumerate(zip(self.groups, self.slices)):
-            outs.append(
-                group.step(q[:, s:e], keys[:, s:e], values[:, s:e], cache_mask, position, layer_cache.groups[i])
-            )
+            if isinstance(group, LocalHeads):
+                outs.append(group.step(q[:, s:e], keys[:, s:e], values[:, s:e], position))
+            else:
+                state = layer_cache.groups[i]
+                outs.append(group.step(q[:, s:e], k[:, s:e], keys[:, s:e], values[:, s:e], position, real, state))
         return torch.cat(outs, dim=1)
 
 
@@ -898,15 +949,15 @@ class SinkhornCrossAttention(nn.Module):
         b, length, _ = hidden_states.shape
         q = self._heads(self.to_q(hidden_states))
         if layer_cache is not None and layer_cache.is_stepping:
-            real = layer_cache.mask[:, layer_cache.position]
-            out = self.heads.cross_step(q, layer_cache.position, layer_cache.cross_state, real, layer_cache.context)
+            owner = layer_cache.owner
+            out = self.heads.cross_step(q, owner.lengths, owner.step_real, layer_cache.cross_state, layer_cache.context)
         else:
             k, v = (self._heads(t) for t in self.to_kv(context).chunk(2, dim=-1))
             if self.causal:
                 record = {} if layer_cache is not None else None
                 out = self.heads(q, k, v, attention_mask, k_mask=context_mask, record=record)
                 if layer_cache is not None:
-                    layer_cache.fill_cross(k, v, context_mask, record, self.heads.kv_bucket_size)
+                    layer_cache.fill_cross(q, k, v, context_mask, record, self.heads)
             else:
                 out = self.heads(q, k, v, attention_mask, context_mask)
         out = out.transpose(1, 2).reshape(b, length, -1)
@@ -1014,21 +1065,34 @@ def _grow(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
 
 
-def _weight_row(weights: torch.Tensor | None, bucket: int) -> torch.Tensor | None:
-    """The routed-value weights of one query bucket, [b, h, n, n_sel] -> [b, h, n_sel, 1, 1] (None: unweighted)."""
-    return None if weights is None else weights[:, :, bucket, :, None, None]
+def _at_bucket(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor | None:
+    """Row u[i] of the bucket dim (2) of t [b, h, n, k] for every batch row i -> [b, h, k] (None stays None)."""
+    if t is None:
+        return None
+    b, h, _, k = t.shape
+    return t.gather(2, u[:, None, None, None].expand(b, h, 1, k))[:, :, 0]
 
 
 def _map_state(state: dict, fn) -> dict:
     return {key: fn(val) if isinstance(val, torch.Tensor) else val for key, val in state.items()}
 
 
-class SinkhornLayerState:
-    """Cache of one layer: keys/values of every past token (all heads, preallocated and grown by doubling), per
-    causal Sinkhorn head group the running query sum, per-key-bucket sums and the chosen buckets of the current
-    query bucket; for cross-attention the bucketed context keys/values and their summaries."""
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Mark a cache tensor as living at a fixed address (it is updated in place), so that compiled decoding steps
+    (CUDA graphs included) keep reading and writing it without copies, as transformers' StaticCache does."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+    return t
 
-    is_compileable = False
+
+class SinkhornLayerState:
+    """Cache of one layer, preallocated to the cache's capacity and updated in place: keys/values of every past
+    real token (all heads; each row's tokens left-aligned, padding dropped); per causal Sinkhorn head group the
+    queries (so that `crop` can rebuild the routing state), the running query sum, per-key-bucket sums and the
+    chosen buckets of the current query bucket; for cross-attention the bucketed context keys/values and their
+    summaries."""
+
+    is_compileable = True
     is_sliding = False
     is_linear = False
 
@@ -1036,44 +1100,59 @@ class SinkhornLayerState:
         self.owner = owner
         self.keys = self.values = None  # [b, H, capacity, d]
         self.groups: list[dict] = []
+        self.heads: list[nn.Module] = []  # the head group of each entry of `groups` (for `crop`)
         self.cross_state: dict | None = None
+        self.cross_heads: nn.Module | None = None
         self.context: dict | None = None
 
-    # the owner keeps the sequence-level state shared by every layer
     @property
     def is_stepping(self) -> bool:
-        return self.owner.stepping
+        return self.owner.prefilled
 
-    @property
-    def position(self) -> int:
-        return self.owner.seen
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self.owner.mask
-
-    def fill_self(self, k, v, records):
-        n = self.owner.prefill_length
-        cap = self.owner.capacity
-        self.keys = _grow(k[:, :, :n].detach(), 2, cap)
-        self.values = _grow(v[:, :, :n].detach(), 2, cap)
-        self.groups = []
-        for record in records:
+    def fill_self(self, q, k, v, records, groups, slices):
+        """After the prefill pass: q, k, v [b, H, L', d] with each row's real tokens first (L' >= L, the prompt)."""
+        owner = self.owner
+        n, cap, nb = owner.prefill_length, owner.capacity, owner.bucket_capacity
+        b, _, _, d = k.shape
+        self.keys = _static(k.new_zeros(b, k.shape[1], cap, d))
+        self.values = _static(v.new_zeros(b, v.shape[1], cap, d))
+        self.keys[:, :, :n] = k[:, :, :n].detach()
+        self.values[:, :, :n] = v[:, :, :n].detach()
+        self.groups, self.heads = [], list(groups)
+        for record, (s, e) in zip(records, slices):
             state = {}
             if record:
-                last_bucket = (n - 1 + record["offset"]) // self.owner.bucket_size
-                state["q_sum"], state["q_count"] = record["q_sum"].detach(), record["q_count"]
-                state["route"] = record["route"][:, :, last_bucket]
-                state["route_valid"] = record["route_valid"][:, :, last_bucket]
-                state["route_weight"] = _weight_row(record["route_weight"], last_bucket)
-                state["k_sum"] = _grow(record["k_sum"].detach(), 2, self.owner.bucket_capacity)
-                state["k_count"] = _grow(record["k_count"], 1, self.owner.bucket_capacity)
+                u = torch.div(
+                    (owner.lengths - 1).clamp_min(0) + record["offset"], owner.bucket_size, rounding_mode="floor"
+                )
+                state = self._routing_state(q[:, s:e], record, u)
+                state["k_sum"] = _grow(record["k_sum"].detach(), 2, nb).clone()
+                state["k_count"] = _grow(record["k_count"], 1, nb).clone()
                 if "k_run_sum" in record:
-                    state["k_run_sum"], state["k_run_count"] = record["k_run_sum"].detach(), record["k_run_count"]
+                    state["k_run_sum"] = record["k_run_sum"].detach().clone()
+                    state["k_run_count"] = record["k_run_count"].clone()
+                state = _map_state(state, _static)
             self.groups.append(state)
 
-    def fill_cross(self, k, v, context_mask, record, kv_bucket):
+    def _routing_state(self, q, record, u):
+        n, cap = self.owner.prefill_length, self.owner.capacity
+        b, h, _, d = q.shape
+        queries = q.new_zeros(b, h, cap, d)
+        queries[:, :, :n] = q[:, :, :n].detach()
+        state = {
+            "queries": queries,
+            "q_sum": record["q_sum"].detach().clone(),
+            "q_count": record["q_count"].clone(),
+            "route": _at_bucket(record["route"], u),
+            "route_valid": _at_bucket(record["route_valid"], u),
+        }
+        if record["route_weight"] is not None:
+            state["route_weight"] = _at_bucket(record["route_weight"], u)
+        return state
+
+    def fill_cross(self, q, k, v, context_mask, record, heads):
         b, h, lc, d = k.shape
+        kv_bucket = heads.kv_bucket_size
         nk = lc // kv_bucket
         k, v = k.detach(), v.detach()
         k_sums, k_counts = bucket_sums(k, context_mask, kv_bucket)
@@ -1084,26 +1163,46 @@ class SinkhornLayerState:
             "sk": k_sums / k_counts.clamp_min(1)[:, None, :, None],
             "k_valid": k_counts > 0,
         }
-        last_bucket = (self.owner.prefill_length - 1) // self.owner.bucket_size
-        self.cross_state = {
-            "q_sum": record["q_sum"].detach(),
-            "q_count": record["q_count"],
-            "route": record["route"][:, :, last_bucket],
-            "route_valid": record["route_valid"][:, :, last_bucket],
-            "route_weight": _weight_row(record["route_weight"], last_bucket),
-        }
+        u = torch.div((self.owner.lengths - 1).clamp_min(0), self.owner.bucket_size, rounding_mode="floor")
+        self.cross_state = _map_state(self._routing_state(q, record, u), _static)
+        self.cross_heads = heads
 
-    def append_kv(self, k, v):
-        p, cap = self.owner.seen, self.owner.capacity
-        if self.keys.shape[2] < cap:
-            self.keys, self.values = _grow(self.keys, 2, cap), _grow(self.values, 2, cap)
-            for state in self.groups:
-                if state:
-                    state["k_sum"] = _grow(state["k_sum"], 2, self.owner.bucket_capacity)
-                    state["k_count"] = _grow(state["k_count"], 1, self.owner.bucket_capacity)
-        self.keys[:, :, p] = k[:, :, 0]
-        self.values[:, :, p] = v[:, :, 0]
+    def append_kv(self, k, v, position):
+        """Write the new token's keys/values [b, H, 1, d] at each row's `position` [b], in place."""
+        b, h, _, d = k.shape
+        index = position[:, None, None, None].expand(b, h, 1, d)
+        self.keys.scatter_(2, index, k)
+        self.values.scatter_(2, index, v)
         return self.keys, self.values
+
+    def resize(self, capacity: int, bucket_capacity: int) -> None:
+        """Grow every per-token and per-bucket buffer (eager calls only: shapes change)."""
+        if self.keys is not None:
+            self.keys, self.values = (_static(_grow(t, 2, capacity)) for t in (self.keys, self.values))
+        for state in [*self.groups, self.cross_state or {}]:
+            for name, dim, size in (
+                ("queries", 2, capacity),
+                ("k_sum", 2, bucket_capacity),
+                ("k_count", 1, bucket_capacity),
+            ):
+                if name in state:
+                    state[name] = _static(_grow(state[name], dim, size))
+
+    def rebuild(self, lengths: torch.Tensor) -> None:
+        """The routing state after the first `lengths` [b] real tokens of every row (see `SinkhornCache.crop`)."""
+        for heads, state in zip(self.heads, self.groups):
+            if state:
+                heads.rebuild(state, lengths, keys=self.keys[:, self._slice(heads)])
+        if self.cross_state is not None:
+            self.cross_heads.rebuild(self.cross_state, lengths, sk=self.context["sk"], k_valid=self.context["k_valid"])
+
+    def _slice(self, heads) -> slice:
+        start = 0
+        for other in self.heads:
+            if other is heads:
+                return slice(start, start + other.num_heads)
+            start += other.num_heads
+        raise KeyError(heads)
 
     def _apply(self, fn):
         if self.keys is not None:
@@ -1116,25 +1215,39 @@ class SinkhornLayerState:
 
 
 class SinkhornCache(Cache):
-    """Generation cache of a causal Sinkhorn model (created inside `forward` when `use_cache`).
+    """Generation cache of a causal Sinkhorn model.
 
-    Holds, per layer, a [`SinkhornLayerState`]; and for the whole sequence the padding mask of every token seen
-    and the number of real tokens per row (positions of the next tokens). Each new token then costs attention
-    over its own bucket, `n_top_buckets` chosen buckets (and the local window for local heads), not the sequence.
+    Static shapes: every buffer is preallocated to `max_cache_len` tokens (generate() passes its maximum length;
+    default `max_position_embeddings`) and a decoding step updates it in place with index arithmetic, never
+    reading a tensor value on the host, so the step compiles to one graph (`is_compileable`). Each row keeps its
+    real tokens left-aligned (padding dropped) with its own length: buckets start at a row's first real token, so
+    a row's outputs do not depend on its padding or on the other rows. Each new token costs attention over its
+    own bucket, `n_top_buckets` chosen buckets (and the local window for local heads), not the sequence.
+
+    `crop` rebuilds the routing state of a shorter prefix from the cached queries and keys (assisted and
+    prompt-lookup decoding). An eager call that needs more room than `max_cache_len` grows the buffers (in whole
+    buckets, up to `max_position_embeddings`).
     """
 
-    def __init__(self, config: SinkhornConfig):
+    def __init__(self, config: SinkhornConfig, max_cache_len: int | None = None, compileable: bool = True):
         super().__init__(layers=[])
+        self.config = config
+        self._compileable = compileable
         self.bucket_size = config.bucket_size
         self.num_layers = config.num_hidden_layers
+        limit = config.max_position_embeddings
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"SinkhornCache: max_cache_len must be a positive number of tokens, got {max_cache_len}")
+        self.max_cache_len = limit if max_cache_len is None else min(max_cache_len, limit)
+        self.capacity = math.ceil(self.max_cache_len / self.bucket_size) * self.bucket_size
         self.layers = [SinkhornLayerState(self) for _ in range(self.num_layers)]
-        self.seen = 0  # tokens processed, padding included (the next token's index)
-        self.capacity = 0
-        self.mask = None  # [b, capacity] bool: which processed tokens are real
-        self.real_counts = None  # [b] real tokens so far (position of the next real token)
-        self.stepping = False
+        self.prefilled = False
         self.prefill_length = 0
-        self._offsets: dict[int, int] = {}
+        self.lengths = None  # [b] real tokens per row: the cache position (and position id) of the next one
+        self.token_mask = None  # [b, capacity] bool: which of the tokens given so far were real, in their order
+        self.seen = None  # 0-dim tensor: tokens given so far, padding included
+        self._seen_host = 0  # the same on the host, kept by eager calls (None after a compiled step)
+        self.step_real = None  # [b] during a decoding step: whether the row's new token is real
 
     # -- bookkeeping used by the model -------------------------------------------------------------------------
 
@@ -1142,53 +1255,71 @@ class SinkhornCache(Cache):
     def bucket_capacity(self) -> int:
         return self.capacity // self.bucket_size + 2
 
-    def _reserve(self, needed: int, b: int, device) -> None:
-        if needed <= self.capacity:
+    def reserve(self, total: int) -> None:
+        """Make room for `total` tokens (padding included): eager calls only, in whole buckets."""
+        if total <= self.capacity:
             return
-        cap = max(needed, 2 * self.capacity, 4 * self.bucket_size)
-        self.capacity = math.ceil(cap / self.bucket_size) * self.bucket_size
-        if self.mask is None:
-            self.mask = torch.zeros(b, self.capacity, dtype=torch.bool, device=device)
-        else:
-            self.mask = _grow(self.mask, 1, self.capacity)
+        limit = self.config.max_position_embeddings
+        if total > limit:
+            raise ValueError(f"SinkhornModel: sequence length {total} exceeds max_position_embeddings ({limit})")
+        capacity = min(max(total, 2 * self.capacity), limit)
+        self.capacity = math.ceil(capacity / self.bucket_size) * self.bucket_size
+        self.max_cache_len = max(self.max_cache_len, total)
+        if self.token_mask is not None:
+            self.token_mask = _static(_grow(self.token_mask, 1, self.capacity))
+            for layer in self.layers:
+                layer.resize(self.capacity, self.bucket_capacity)
 
     def begin_prefill(self, mask: torch.Tensor) -> None:
         b, n = mask.shape
-        # headroom, so that the first generated tokens do not immediately copy every layer's keys and values
-        self._reserve(n + max(4 * self.bucket_size, n // 4), b, mask.device)
-        self.mask[:, :n] = mask
-        self.real_counts = mask.sum(1)
+        self.reserve(n)
+        self.token_mask = _static(torch.zeros(b, self.capacity, dtype=torch.bool, device=mask.device))
+        self.token_mask[:, :n] = mask
+        self.lengths = _static(mask.sum(1))
+        self.seen = _static(torch.tensor(n, device=mask.device))
+        self._seen_host = n
         self.prefill_length = n
-        self.stepping = False
 
     def end_prefill(self) -> None:
-        self.seen = self.prefill_length
+        self.prefilled = True
 
     def begin_step(self, real: torch.Tensor) -> None:
-        self._reserve(self.seen + 1, real.shape[0], real.device)
-        self.mask[:, self.seen] = real
-        self.stepping = True
+        if not torch.compiler.is_compiling() and self._seen_host is not None:
+            self.reserve(self._seen_host + 1)
+        self.step_real = real
+        self.token_mask.scatter_(1, self.seen.view(1, 1).expand(real.shape[0], 1), real[:, None])
 
     def end_step(self, real: torch.Tensor) -> None:
-        self.real_counts = self.real_counts + real.long()
-        self.seen += 1
-        self.stepping = False
+        self.lengths.add_(real.long())
+        self.seen.add_(1)
+        self.step_real = None
+        if torch.compiler.is_compiling():
+            self._seen_host = None
+        elif self._seen_host is not None:
+            self._seen_host += 1
 
     # -- Cache API ----------------------------------------------------------------------------------------------
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen
+        if self.seen is None:
+            return 0
+        if self._seen_host is None:  # after compiled steps: read it back once
+            self._seen_host = int(self.seen)
+        return self._seen_host
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
+        return self.max_cache_len
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_cache_len
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        return self._compileable
 
     @property
     def is_initialized(self) -> bool:
-        return self.seen > 0
+        return self.prefilled
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -1200,17 +1331,17 @@ class SinkhornCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return False
+        return True
 
     @property
     def batch_size(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[0]
+        return 0 if self.lengths is None else self.lengths.shape[0]
 
     def _apply(self, fn) -> None:
-        if self.mask is None:
+        if self.lengths is None:
             return
-        self.mask = fn(self.mask)
-        self.real_counts = fn(self.real_counts)
+        self.lengths = fn(self.lengths)
+        self.token_mask = fn(self.token_mask)
         for layer in self.layers:
             layer._apply(fn)
 
@@ -1223,20 +1354,27 @@ class SinkhornCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._apply(lambda t: t[indices])
 
+    def activate_past_recording(self) -> None:
+        """Nothing to switch on: keys, values and queries of every token are kept, so `crop` can always restore."""
+
     def reset(self) -> None:
-        self.__init__(_ConfigView(self.bucket_size, self.num_layers))
+        self.__init__(self.config, self.max_cache_len, self._compileable)
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError(
-            "SinkhornCache cannot be cropped (bucket summaries and routing are not kept per token); "
-            "assisted / speculative generation is not supported"
-        )
-
-
-@dataclass
-class _ConfigView:
-    bucket_size: int
-    num_hidden_layers: int
+        """Keep the first `max_length` tokens given (padding included), or drop the last `-max_length` tokens when
+        it is <= 0 (transformers' convention: `crop(-k)`), restoring exactly the state after those tokens."""
+        total = self.get_seq_length()
+        keep = max_length if max_length > 0 else total + max_length
+        if not 0 <= keep <= total:
+            raise ValueError(f"SinkhornCache.crop: cannot keep {keep} tokens of {total} (max_length={max_length})")
+        if keep == total:
+            return
+        self.token_mask[:, keep:] = False
+        self.lengths.copy_(self.token_mask[:, :keep].sum(1))
+        self.seen.fill_(keep)
+        self._seen_host = keep
+        for layer in self.layers:
+            layer.rebuild(self.lengths)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1338,6 +1476,11 @@ class SinkhornPreTrainedModel(PreTrainedModel):
                 module.implementation = implementation
 
 
+def _permute_tokens(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """t [b, L, e] with its tokens in the order `order` [b, L] (None: unchanged)."""
+    return t if order is None else t.gather(1, order[..., None].expand_as(t))
+
+
 def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
     if mask is not None and tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (batch, sequence), got {tuple(mask.shape)}")
@@ -1432,21 +1575,25 @@ class SinkhornModel(SinkhornPreTrainedModel):
         if (
             config.receives_context
             and encoder_hidden_states is None
-            and not (cache is not None and cache.get_seq_length() > 0)
+            and not (isinstance(cache, SinkhornCache) and cache.prefilled)
         ):
             raise ValueError("SinkhornModel: receives_context=True needs encoder_hidden_states (the context)")
         if cache is not None and not isinstance(cache, SinkhornCache):
             if cache.get_seq_length() > 0:
                 raise ValueError(f"SinkhornModel: expected a SinkhornCache, got a filled {type(cache).__name__}")
-            cache = None  # an empty generic cache (e.g. from EncoderDecoderModel.generate): use our own
-        if use_cache and cache is None:
+            # an empty generic cache (e.g. from EncoderDecoderModel.generate): use our own, not marked compileable,
+            # since that caller would then build transformers' 4-D attention masks from it
+            cache = SinkhornCache(config, compileable=False) if use_cache else None
+        elif use_cache and cache is None:
             cache = SinkhornCache(config)
         if not use_cache:
             cache = None
 
         batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        past = cache.seen if cache is not None else 0
-        if past + length > config.max_position_embeddings:
+        stepping = cache is not None and cache.prefilled
+        # tokens given before (host count; unknown after compiled steps, which check nothing here)
+        past = (cache._seen_host if stepping else 0) if not torch.compiler.is_compiling() else None
+        if past is not None and past + length > config.max_position_embeddings:
             raise ValueError(
                 f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings "
                 f"({config.max_position_embeddings})"
@@ -1454,18 +1601,13 @@ class SinkhornModel(SinkhornPreTrainedModel):
         if input_ids is not None:
             check_token_ids(input_ids, config.vocab_size)
         if attention_mask is not None:
-            if (
-                attention_mask.dim() == 2
-                and attention_mask.shape[0] == batch
-                and attention_mask.shape[1] == past + length
-                and past
-            ):
-                attention_mask = attention_mask[:, past:]  # generate() passes the mask of the whole sequence so far
+            if stepping and attention_mask.dim() == 2 and attention_mask.shape[1] > length:
+                attention_mask = attention_mask[:, -length:]  # generate() passes the mask of the whole sequence so far
             _check_mask(attention_mask, (batch, length), "attention_mask")
             attention_mask = attention_mask.bool()
 
         # several new tokens on top of a filled cache: feed them one at a time (exact, generation-only path)
-        if cache is not None and past > 0 and length > 1:
+        if stepping and length > 1:
             outputs = []
             for t in range(length):
                 out = self.forward(
@@ -1487,7 +1629,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
             attention_mask if attention_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
         )
         if position_ids is None:
-            before = cache.real_counts[:, None] if cache is not None and past > 0 else 0
+            before = cache.lengths[:, None] if stepping else 0
             position_ids = (before + mask.long().cumsum(1) - 1).clamp_min(0)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -1497,19 +1639,26 @@ class SinkhornModel(SinkhornPreTrainedModel):
             hidden = self.project_in(hidden)
 
         context = context_mask = None
-        if encoder_hidden_states is not None and not (cache is not None and past > 0):
+        if encoder_hidden_states is not None and not stepping:
             context, context_mask = self._pad_context(encoder_hidden_states, encoder_attention_mask)
 
-        stepping = cache is not None and past > 0
+        # buckets start at each row's first real token: the real tokens of every row move to the front (in order),
+        # the outputs go back to their places at the end, so a row's outputs depend neither on its padding nor on
+        # the other rows
+        back = None
         if stepping:
             cache.begin_step(mask[:, 0])
             padded_mask = mask
         else:
+            if cache is not None:
+                cache.begin_prefill(mask)
+            if attention_mask is not None:
+                order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices  # [b, L]: real first
+                back = order.argsort(dim=1)
+                hidden, mask = _permute_tokens(hidden, order), mask.gather(1, order)
             pad = (-length) % config.bucket_size
             hidden = F.pad(hidden, (0, 0, 0, pad))
             padded_mask = F.pad(mask, (0, pad), value=False)
-            if cache is not None:
-                cache.begin_prefill(mask)
 
         # layer dropout: the residual stack drops a layer by discarding its output on the device (no host read, so
         # a training step never waits for the device; the layer is still computed). The reversible stack needs the
@@ -1522,7 +1671,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
         elif layer_drop:
             keep = torch.rand(config.num_hidden_layers, device=hidden.device) >= config.layer_dropout
 
-        all_hidden = (hidden,) if output_hidden_states else None
+        all_hidden = (_permute_tokens(hidden[:, :length], back),) if output_hidden_states else None
         if self._reversible is not None and cache is None:
             per_layer = len(self.layers[0].blocks())
             block_skip = [s for s in skip for _ in range(per_layer)]
@@ -1559,8 +1708,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 )
                 hidden = out if keep is None else torch.where(keep[depth], out, hidden)
                 if output_hidden_states:
-                    all_hidden = all_hidden + (hidden[:, :length],)
-        hidden = self.norm(hidden[:, :length])
+                    all_hidden = all_hidden + (_permute_tokens(hidden[:, :length], back),)
+        hidden = self.norm(_permute_tokens(hidden[:, :length], back))
 
         if cache is not None:
             if stepping:
@@ -1619,6 +1768,26 @@ class _SinkhornLanguageModel(SinkhornPreTrainedModel):
 
 class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
     _needs_causal = True
+
+    # generate(): a SinkhornCache sized for the whole generation (so decoding steps keep static shapes and compile),
+    # and the attention mask of the new tokens only (the cache keeps the padding of earlier tokens itself)
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ) -> None:
+        given = model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None
+        if given or generation_config.use_cache is False or generation_config.cache_implementation is not None:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if generation_config.max_cache_len is not None:
+            max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+        model_kwargs["cache"] = SinkhornCache(self.config, max_cache_len=max_cache_length)
+
+    def create_masks_for_generate(self, attention_mask=None, cache=None, inputs_embeds=None, **kwargs):
+        if attention_mask is not None and isinstance(cache, SinkhornCache) and cache.prefilled:
+            return attention_mask[:, -inputs_embeds.shape[1] :]  # a fixed shape for compiled decoding steps
+        return attention_mask
 
     def _random_truncate(self, input_ids, attention_mask, labels):
         """Cut every row at a random length (>= 2) and move it to the end of the window (left padding)."""

@@ -64,7 +64,8 @@ def test_cached_multi_token_chunk_reversible_cache_and_buffer_growth():
     ids = torch.randint(0, 40, (1, 60))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        first = model(ids[:, :11], use_cache=True)
+        small = SinkhornCache(model.config, max_cache_len=12)  # eager calls past max_cache_len grow the buffers
+        first = model(ids[:, :11], cache=small, use_cache=True)
         capacity = first.cache.capacity
         rest = model(ids[:, 11:], cache=first.cache, use_cache=True)  # several tokens on a filled cache
     torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full, rtol=1e-5, atol=1e-5)
