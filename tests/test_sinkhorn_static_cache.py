@@ -1,0 +1,209 @@
+"""Sinkhorn generation cache: static shapes and compiled decoding, batch invariance with padding, crop (assisted and
+prompt-lookup decoding). Every check compares against an independent computation: the uncached forward of the
+unpadded prompt, or each prompt generated alone."""
+
+import pytest
+import torch
+from transformers import CompileConfig, pipeline
+
+from longrange.configuration_sinkhorn import SinkhornConfig
+from longrange.modeling_sinkhorn import SinkhornCache, SinkhornForCausalLM
+from longrange.tokenization import byte_tokenizer
+from tests.dispatch_utils import count_dispatched_ops, needs_traceable_outputs, sync_ops
+
+TINY = dict(vocab_size=40, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=4)
+# local heads, ordinary and shifted causal Sinkhorn heads; the causal defaults otherwise (no SortCut)
+VARIANTS = {
+    "local+shifted": dict(n_local_attn_heads=1, n_top_buckets=2),
+    "paired": dict(n_top_buckets=1),
+    "running-keys": dict(n_local_attn_heads=2, n_top_buckets=2, causal_key_summary="running_mean_sum"),
+}
+
+
+def causal_lm(seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = SinkhornConfig(**{**TINY, "causal": True, "max_position_embeddings": 128, **overrides})
+    return SinkhornForCausalLM(config).eval()
+
+
+def left_pad(prompts, pad_id=0):
+    """Left-padded batch of prompts of different lengths (padding ids random-looking: they must not matter)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        ids[i, : width - len(p)] = (torch.arange(width - len(p)) * 7 + i) % 40
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def prompts_of(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 40, (n,), generator=g) for n in lengths]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# batch invariance
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_left_padded_forward_equals_unpadded_forward_on_real_tokens(variant):
+    model = causal_lm(seed=2, **VARIANTS[variant])
+    prompts = prompts_of([23, 9, 14, 2])  # several buckets of 4, padding of every length mod 4
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask, use_cache=False).logits
+        for i, p in enumerate(prompts):
+            alone = model(p[None], use_cache=False).logits[0]
+            torch.testing.assert_close(batched[i, ids.shape[1] - len(p) :], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_batched_left_padded_greedy_and_beam_generate_equal_per_prompt_generation(variant):
+    model = causal_lm(seed=3, **VARIANTS[variant])
+    prompts = prompts_of([11, 2, 6], seed=4)  # padded by 0, 9 and 5 (buckets of 4)
+    ids, mask = left_pad(prompts)
+    for extra in (dict(), dict(num_beams=2)):
+        kwargs = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
+        kwargs.update(output_scores=True, return_dict_in_generate=True)
+        batched = model.generate(ids, attention_mask=mask, **kwargs)
+        for i, p in enumerate(prompts):
+            alone = model.generate(p[None], **kwargs)
+            assert torch.equal(batched.sequences[i, ids.shape[1] :], alone.sequences[0, len(p) :]), (extra, i)
+            if not extra:  # greedy: the next-token scores of every step too
+                for got, want in zip(batched.scores, alone.scores):
+                    torch.testing.assert_close(got[i], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_batch_size_1_and_8_give_the_same_texts():
+    tok = byte_tokenizer()
+    tok.padding_side = "left"
+    special = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = causal_lm(seed=5, **{**VARIANTS["local+shifted"], "vocab_size": len(tok), **special})
+    generator = pipeline("text-generation", model=model, tokenizer=tok)
+    texts = ["To be", "or not to be, that is", "the question", "Whether 'tis nobler in the mind to suffer", "a"]
+    kwargs = dict(max_new_tokens=10, do_sample=False)
+    one = [out[0]["generated_text"] for out in generator(texts, batch_size=1, **kwargs)]
+    eight = [out[0]["generated_text"] for out in generator(texts, batch_size=8, **kwargs)]
+    assert one == eight
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# static cache and compiled decoding
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_generate_sizes_a_static_compileable_cache():
+    model = causal_lm(**VARIANTS["local+shifted"])
+    out = model.generate(
+        torch.randint(1, 40, (1, 6)),
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+    )
+    cache = out.cache
+    assert isinstance(cache, SinkhornCache) and cache.is_compileable
+    assert cache.max_cache_len == 10 and cache.capacity == 12  # generate's max_length - 1, in whole buckets
+    assert cache.layers[0].keys.shape[2] == 12 and cache.get_seq_length() == 10
+
+
+@needs_traceable_outputs
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_cached_decoding_step_is_one_graph_without_host_reads(variant):
+    model = causal_lm(seed=6, **VARIANTS[variant])
+    ids, mask = left_pad(prompts_of([10, 5]))
+    with torch.no_grad():
+        cache = SinkhornCache(model.config, max_cache_len=32)
+        first = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        token = first.logits[:, -1:].argmax(-1)
+        step = dict(attention_mask=torch.ones(2, 1, dtype=torch.long), cache=cache, use_cache=True)
+        assert sync_ops(count_dispatched_ops(lambda: model(token, **step))) == {}
+        explained = torch._dynamo.explain(model)(token, **step)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def _compiled_generate_equals_eager_and_uncached(backend):
+    model = causal_lm(seed=7, **VARIANTS["local+shifted"])
+    ids, mask = left_pad(prompts_of([9, 4], seed=8))
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    uncached = model.generate(ids, use_cache=False, **kwargs)
+    eager = model.generate(ids, **kwargs)
+    config = CompileConfig(fullgraph=True, backend=backend)
+    config._compile_all_devices = True  # compile on the CPU too (generate() compiles by itself on accelerators)
+    model.generation_config.compile_config = config
+    torch._dynamo.reset()
+    compiled = model.generate(ids, **kwargs)
+    assert torch.equal(eager, uncached) and torch.equal(compiled, eager)
+    return model
+
+
+@needs_traceable_outputs
+def test_generate_compiles_decoding_steps_and_gives_the_eager_tokens():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    _compiled_generate_equals_eager_and_uncached("eager")  # dynamo's full-graph trace, no code generation
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for every decoding step: no recompilation
+
+
+@pytest.mark.slow
+@needs_traceable_outputs
+def test_inductor_compiled_generate_gives_the_eager_tokens():
+    _compiled_generate_equals_eager_and_uncached("inductor")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# crop: assisted and prompt-lookup decoding
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_crop_restores_the_state_of_a_cache_built_from_the_first_tokens(variant):
+    model = causal_lm(seed=9, **VARIANTS[variant])
+    ids, mask = left_pad(prompts_of([13, 6], seed=10))
+    ids = torch.cat([ids, torch.randint(1, 40, (2, 11))], dim=1)  # 11 more tokens, fed one by one
+    mask = torch.cat([mask, torch.ones(2, 11, dtype=torch.long)], dim=1)
+    nxt = torch.randint(1, 40, (2, 1))
+    with torch.no_grad():
+        cache = model(ids[:, :13], attention_mask=mask[:, :13], use_cache=True).cache
+        for t in range(13, ids.shape[1]):
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True)
+        for keep in (22, 19, 16, 14):  # across bucket boundaries of both head offsets
+            cache.crop(keep - cache.get_seq_length())  # transformers' convention: crop(-tokens to remove)
+            assert cache.get_seq_length() == keep
+            step_mask = torch.cat([mask[:, :keep], torch.ones(2, 1, dtype=torch.long)], dim=1)
+            after_crop = model(nxt, attention_mask=step_mask, cache=cache, use_cache=True).logits
+            cache.crop(keep)  # a positive argument: the number of tokens to keep
+            fresh = model(ids[:, :keep], attention_mask=mask[:, :keep], use_cache=True).cache
+            expected = model(nxt, attention_mask=step_mask, cache=fresh, use_cache=True).logits
+            torch.testing.assert_close(after_crop, expected, rtol=1e-5, atol=1e-5)
+            # and the independent reference: the uncached forward of the whole sequence
+            full = model(torch.cat([ids[:, :keep], nxt], 1), attention_mask=step_mask, use_cache=False).logits
+            torch.testing.assert_close(after_crop[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_assisted_and_prompt_lookup_generate_equal_greedy_decoding():
+    model = causal_lm(seed=11, **{**VARIANTS["local+shifted"], "hidden_size": 32, "num_hidden_layers": 3})
+    assistant = causal_lm(seed=12, **VARIANTS["paired"])
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])  # repeats: prompt lookup finds candidates
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    greedy = model.generate(prompt, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assisted = model.generate(prompt, assistant_model=assistant, **kwargs)
+    lookup = model.generate(prompt, prompt_lookup_num_tokens=3, **kwargs)
+    assert torch.equal(greedy, uncached)
+    assert torch.equal(assisted, greedy)
+    assert torch.equal(lookup, greedy)
+
+
+def test_crop_rejects_impossible_lengths():
+    model = causal_lm()
+    with torch.no_grad():
+        cache = model(torch.randint(1, 40, (1, 6)), use_cache=True).cache
+    with pytest.raises(ValueError, match="cannot keep"):
+        cache.crop(-7)
+    with pytest.raises(ValueError, match="cannot keep"):
+        cache.crop(9)
