@@ -24,6 +24,7 @@ masked wrap-around).
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
