@@ -126,13 +126,22 @@ def _batch_head_index(b: int, h: int, ndim: int, device) -> tuple[torch.Tensor, 
     return torch.arange(b, device=device).view(shape_b), torch.arange(h, device=device).view(shape_h)
 
 
-def _gather_positions(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Entries of t [b, h, C, d] at positions pos [b, K] (every head) or [b, h, K], clamped into [0, C) (callers
-    mask what falls outside) -> [b, h, K, d]."""
-    b, h, cap, d = t.shape
-    if pos.dim() == 2:
-        pos = pos[:, None].expand(b, h, -1)
-    return t.gather(2, pos.clamp(0, cap - 1)[..., None].expand(-1, -1, -1, d))
+def _pick_buckets(t: torch.Tensor, heads: slice, start: int, size: int, which: torch.Tensor) -> torch.Tensor:
+    """Whole buckets of cache slots: bucket j of a head is slots start + j * size ... start + (j + 1) * size - 1.
+
+    t: a layer's keys or values [b, H, S, d] (S a multiple of size); heads: the group's heads;
+    which: [b, h or 1, k] bucket indices (clamped into range; callers mask what falls outside) -> [b, h, k * size,
+    d]. Every (row, head, bucket) is one row of a strided view of the cache, so the pick is one `index_select`
+    of contiguous blocks (several times faster on the CPU than advanced indexing or `gather`)."""
+    b, n_heads, slots, d = t.shape
+    per_head = slots // size
+    skip, shift = divmod(start, size)  # whole buckets, then slots
+    # (t is a cache tensor of its own: contiguous, at the start of its storage)
+    blocks = t.as_strided((b * n_heads * per_head - 1, size, d), (size * d, d, 1), shift * d)
+    h = heads.stop - heads.start
+    head = torch.arange(b, device=t.device)[:, None] * n_heads + heads.start + torch.arange(h, device=t.device)
+    flat = head[..., None] * per_head + (which + skip).clamp(0, per_head - 2)  # [b, h, k]
+    return blocks.index_select(0, flat.reshape(-1)).view(b, h, -1, d)
 
 
 def _prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
@@ -217,15 +226,17 @@ class LocalHeads(nn.Module):
     def _p(self) -> float:
         return self.dropout if self.training else 0.0
 
-    def step(self, q, keys, values, position):
-        """One new token per row at `position` [b] (keys/values already hold it; a row's cached tokens are its real
-        tokens, left-aligned). q: [b, h, 1, d]. The window: the previous bucket and the own bucket up to the token."""
+    def step(self, q, keys, values, heads, position, origin):
+        """One new token per row at `position` [b] (keys/values: the layer's cache [b, H, S, d], already holding it
+        at slot origin + position for this group's `heads`; a row's cached tokens are its real tokens,
+        left-aligned). q: [b, h, 1, d]. The window: the previous bucket and the own bucket up to the token."""
         size = self.bucket_size
-        start = (torch.div(position, size, rounding_mode="floor") - 1) * size  # [b]
-        pos = start[:, None] + torch.arange(2 * size, device=q.device)  # [b, 2B]
-        m = (pos >= 0) & (pos <= position[:, None])
-        k, v = (_gather_positions(t, pos) for t in (keys, values))
-        return attend(q, k, v, m[:, None, None, :], implementation=self.implementation)
+        u = torch.div(position, size, rounding_mode="floor")  # [b]
+        which = torch.stack([u - 1, u], dim=-1)[:, None]  # [b, 1, 2]
+        k, v = (_pick_buckets(t, heads, origin, size, which) for t in (keys, values))
+        pos = ((u - 1) * size)[:, None] + torch.arange(2 * size, device=q.device)  # [b, 2B]
+        m = (pos >= 0) & (pos <= position[:, None])  # the token always sees itself
+        return attend(q, k, v, bias=additive(m[:, None, None, :], q.dtype), implementation=self.implementation)
 
 
 class SinkhornHeads(nn.Module):
@@ -580,24 +591,26 @@ class CausalSinkhornHeads(nn.Module):
             sk, k_valid = self._key_summaries(state, u)
         lead = real & ((position + off) % size == 0)
         self._keep_route(state, lead, *self._choose(sq, sk, k_valid))
-        return u
 
     @staticmethod
     def _keep_route(state, rows, idx, picked_valid, weight):
-        """Store the new routing choice in `rows` [b] (in place: the cache tensors keep their addresses)."""
+        """Store the new routing choice in `rows` [b]."""
         keep = rows[:, None, None]
-        state["route"].copy_(torch.where(keep, idx, state["route"]))
-        state["route_valid"].copy_(torch.where(keep, picked_valid, state["route_valid"]))
+        state["route"] = torch.where(keep, idx, state["route"])
+        state["route_valid"] = torch.where(keep, picked_valid, state["route_valid"])
         if weight is not None:
-            state["route_weight"].copy_(torch.where(keep, weight, state["route_weight"]))
+            state["route_weight"] = torch.where(keep, weight, state["route_weight"])
 
-    def step(self, q, k, keys, values, position, real, state):
-        """Causal self-attention of one new token per row at `position` [b] (already written to keys/values, whose
-        first `position` entries are the row's real tokens). q, k: [b, h, 1, d]; real: [b] bool.
+    def step(self, q, k, keys, values, heads, position, real, state):
+        """Causal self-attention of one new token per row at `position` [b] (already written to keys/values). q, k:
+        [b, h, 1, d]; real: [b] bool. keys/values: the layer's cache [b, H, S, d]; for this group's `heads` it
+        holds, as whole buckets from slot `1 - offset` on, the null buckets then the row's real tokens (see
+        `SinkhornLayerState`): the bucket bank of `bucketed`, so the chosen buckets and the own bucket are picked
+        by index, one block copy each.
 
-        Attention over the chosen buckets of the current query bucket (gathered from the cached keys) and the own
-        bucket up to the token: at most (n_top + 1) * bucket_size keys."""
-        size, off = self.bucket_size, self.offset
+        Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
+        (n_top + 1) * bucket_size keys."""
+        size, off, n_null = self.bucket_size, self.offset, self.n_top
         b, h, _, d = q.shape
         u = torch.div(position + off, size, rounding_mode="floor")  # [b]
         counted = real & (u > 0) if self.skip_first else real  # tokens that enter the routing summaries
@@ -611,40 +624,34 @@ class CausalSinkhornHeads(nn.Module):
         state["k_count"].scatter_add_(1, u[:, None], counted.float()[:, None])
         state["queries"].scatter_(2, position[:, None, None, None].expand(b, h, 1, d), q.to(state["queries"].dtype))
         self.route_step(q, position, counted, state)
-        routed_k, routed_v, routed_m = self._routed(keys, values, state)
-        own = (u * size - off)[:, None] + torch.arange(size, device=q.device)  # [b, B]
-        own_m = ((own >= 0) & (own <= position[:, None]))[:, None].expand(b, h, size)
-        keys_all = torch.cat([routed_k, _gather_positions(keys, own)], dim=2)
-        values_all = torch.cat([routed_v, _gather_positions(values, own)], dim=2)
-        m = torch.cat([routed_m, own_m], dim=2)[:, :, None, :]  # [b, h, 1, K]
-        return attend(q, keys_all, values_all, m, implementation=self.implementation)
 
-    def _routed(self, keys, values, state):
-        """Keys, values [b, h, n_sel * B, d] and mask [b, h, n_sel * B] of the chosen buckets of the current query
-        bucket: learned null buckets or earlier buckets of the cached keys."""
-        size, off = self.bucket_size, self.offset
-        b, h, _, d = keys.shape
-        choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
-        is_null = choice < self.n_top
-        slot = torch.arange(size, device=keys.device)
-        pos = (choice - self.n_top).clamp_min(0)[..., None] * size - off + slot  # [b, h, n_sel, B]
-        flat = pos.reshape(b, h, -1)
-        _, hi = _batch_head_index(b, h, 4, keys.device)
-        null_i = choice.clamp_max(self.n_top - 1)
-        null_k = self.null_keys[hi[..., 0], null_i][..., None, :].to(keys.dtype)  # [b, h, n_sel, 1, d]
-        null_v = self.null_values[hi[..., 0], null_i][..., None, :].to(values.dtype)
-        gathered_k = _gather_positions(keys, flat).view(b, h, -1, size, d)
-        gathered_v = _gather_positions(values, flat).view(b, h, -1, size, d)
-        routed_k = torch.where(is_null[..., None, None], null_k, gathered_k)  # [b, h, n_sel, B, d]
-        routed_v = torch.where(is_null[..., None, None], null_v, gathered_v)
+        choice = state["route"]  # [b, h, n_sel]: bank indices (null buckets first)
+        which = torch.cat([choice, (n_null + u)[:, None, None].expand(b, h, 1)], dim=-1)  # chosen, then own
+        keys_all = _pick_buckets(keys, heads, 1 - off, size, which)  # [b, h, (n_sel + 1) B, d]
+        values_all = _pick_buckets(values, heads, 1 - off, size, which)
         if self.weight_routed_values:
-            weight = state["route_weight"][..., None, None]
-            routed_v = routed_v * weight.to(routed_v.dtype)
+            weight = F.pad(state["route_weight"], (0, 1), value=1.0)  # the own bucket unweighted
+            weight = weight[..., None].expand(b, h, -1, size).reshape(b, h, -1, 1)
+            values_all = values_all * weight.to(values_all.dtype)
             if self.weight_routed_keys:
-                routed_k = routed_k * weight.to(routed_k.dtype)
+                keys_all = keys_all * weight.to(keys_all.dtype)
+        slot = torch.arange(size, device=q.device)
+        pos = (which - n_null)[..., None] * size - off + slot  # [b, h, n_sel + 1, B] token positions
         null_slots = slot >= 0 if self.null_copies else slot == 0
-        routed_m = torch.where(is_null[..., None], null_slots, pos >= 0) & choice_valid[..., None]
-        return routed_k.reshape(b, h, -1, d), routed_v.reshape(b, h, -1, d), routed_m.reshape(b, h, -1)
+        routed_m = torch.where((choice < n_null)[..., None], null_slots, pos[:, :, :-1] >= 0)
+        routed_m = routed_m & state["route_valid"][..., None]
+        own_m = (pos[:, :, -1:] >= 0) & (pos[:, :, -1:] <= position[:, None, None, None])
+        m = torch.cat([routed_m, own_m], dim=2).reshape(b, h, 1, -1)  # [b, h, 1, K]: the token always sees itself
+        return attend(q, keys_all, values_all, bias=additive(m, q.dtype), implementation=self.implementation)
+
+    def write_null_buckets(self, keys, values) -> None:
+        """Put this group's null buckets into the cache slots before its first bucket (keys, values: the group's
+        heads of the cache, [b, h, S, d]), so that a decoding step picks chosen buckets from one bank."""
+        size, start = self.bucket_size, 1 - self.offset
+        for t, table in ((keys, self.null_keys), (values, self.null_values)):
+            b, h, _, d = t.shape
+            bank = t[:, :, start : start + self.n_top * size].view(b, h, self.n_top, size, d)
+            bank.copy_(table.detach()[None, :, :, None, :].to(t.dtype).expand_as(bank))
 
     def cross_step(self, q, position, real, state, ctx):
         """Causal decoder cross-attention of one new token per row. ctx: the cached context (bucketed keys, values,
@@ -884,14 +891,15 @@ class SinkhornSelfAttention(nn.Module):
 
     def _step(self, q, k, v, layer_cache):
         position, real = layer_cache.owner.lengths, layer_cache.owner.step_real  # [b] each
-        keys, values = layer_cache.append_kv(k, v, position)  # [b, H, capacity, d]
+        keys, values = layer_cache.append_kv(k, v, position)  # [b, H, slots, d]
         outs = []
         for i, (group, (s, e)) in enumerate(zip(self.groups, self.slices)):
+            heads = slice(s, e)
             if isinstance(group, LocalHeads):
-                outs.append(group.step(q[:, s:e], keys[:, s:e], values[:, s:e], position))
+                outs.append(group.step(q[:, s:e], keys, values, heads, position, layer_cache.owner.origin))
             else:
                 state = layer_cache.groups[i]
-                outs.append(group.step(q[:, s:e], k[:, s:e], keys[:, s:e], values[:, s:e], position, real, state))
+                outs.append(group.step(q[:, s:e], k[:, s:e], keys, values, heads, position, real, state))
         return torch.cat(outs, dim=1)
 
 
@@ -1088,7 +1096,9 @@ def _static(t: torch.Tensor) -> torch.Tensor:
 
 class SinkhornLayerState:
     """Cache of one layer, preallocated to the cache's capacity and updated in place: keys/values of every past
-    real token (all heads; each row's tokens left-aligned, padding dropped); per causal Sinkhorn head group the
+    real token (all heads; each row's tokens left-aligned, padding dropped: position p at slot `origin + p`, the
+    slots before it hold each causal Sinkhorn group's null buckets, so that the buckets a step attends are picked
+    from one bank by index; whole buckets of slack after the last position); per causal Sinkhorn head group the
     queries (so that `crop` can rebuild the routing state), the running query sum, per-key-bucket sums and the
     chosen buckets of the current query bucket; for cross-attention the bucketed context keys/values and their
     summaries."""
@@ -1113,16 +1123,17 @@ class SinkhornLayerState:
     def fill_self(self, q, k, v, records, groups, slices):
         """After the prefill pass: q, k, v [b, H, L', d] with each row's real tokens first (L' >= L, the prompt)."""
         owner = self.owner
-        n, cap, nb = owner.prefill_length, owner.capacity, owner.bucket_capacity
+        n, nb, origin = owner.prefill_length, owner.bucket_capacity, owner.origin
         b, _, _, d = k.shape
-        self.keys = _static(k.new_zeros(b, k.shape[1], cap, d))
-        self.values = _static(v.new_zeros(b, v.shape[1], cap, d))
-        self.keys[:, :, :n] = k[:, :, :n].detach()
-        self.values[:, :, :n] = v[:, :, :n].detach()
+        self.keys = _static(k.new_zeros(b, k.shape[1], owner.slots, d))
+        self.values = _static(v.new_zeros(b, v.shape[1], owner.slots, d))
+        self.keys[:, :, origin : origin + n] = k[:, :, :n].detach()
+        self.values[:, :, origin : origin + n] = v[:, :, :n].detach()
         self.groups, self.heads = [], list(groups)
-        for record, (s, e) in zip(records, slices):
+        for record, group, (s, e) in zip(records, groups, slices):
             state = {}
             if record:
+                group.write_null_buckets(self.keys[:, s:e], self.values[:, s:e])
                 u = torch.div(
                     (owner.lengths - 1).clamp_min(0) + record["offset"], owner.bucket_size, rounding_mode="floor"
                 )
@@ -1171,7 +1182,7 @@ class SinkhornLayerState:
     def append_kv(self, k, v, position):
         """Write the new token's keys/values [b, H, 1, d] at each row's `position` [b], in place."""
         b, h, _, d = k.shape
-        index = position[:, None, None, None].expand(b, h, 1, d)
+        index = (position + self.owner.origin)[:, None, None, None].expand(b, h, 1, d)
         self.keys.scatter_(2, index, k)
         self.values.scatter_(2, index, v)
         return self.keys, self.values
@@ -1179,7 +1190,8 @@ class SinkhornLayerState:
     def resize(self, capacity: int, bucket_capacity: int) -> None:
         """Grow every per-token and per-bucket buffer (eager calls only: shapes change)."""
         if self.keys is not None:
-            self.keys, self.values = (_static(_grow(t, 2, capacity)) for t in (self.keys, self.values))
+            slots = self.owner.slots
+            self.keys, self.values = (_static(_grow(t, 2, slots)) for t in (self.keys, self.values))
         for state in [*self.groups, self.cross_state or {}]:
             for name, dim, size in (
                 ("queries", 2, capacity),
@@ -1193,7 +1205,9 @@ class SinkhornLayerState:
         """The routing state after the first `lengths` [b] real tokens of every row (see `SinkhornCache.crop`)."""
         for heads, state in zip(self.heads, self.groups):
             if state:
-                heads.rebuild(state, lengths, keys=self.keys[:, self._slice(heads)])
+                origin = self.owner.origin
+                positions = self.keys[:, self._slice(heads), origin : origin + self.owner.capacity]
+                heads.rebuild(state, lengths, keys=positions)
         if self.cross_state is not None:
             self.cross_heads.rebuild(self.cross_state, lengths, sk=self.context["sk"], k_valid=self.context["k_valid"])
 
@@ -1241,6 +1255,8 @@ class SinkhornCache(Cache):
             raise ValueError(f"SinkhornCache: max_cache_len must be a positive number of tokens, got {max_cache_len}")
         self.max_cache_len = limit if max_cache_len is None else min(max_cache_len, limit)
         self.capacity = math.ceil(self.max_cache_len / self.bucket_size) * self.bucket_size
+        # key/value slot of position 0: after the null buckets (and one slot for the shifted heads' virtual token)
+        self.origin = 1 + config.n_top_buckets * self.bucket_size
         self.layers = [SinkhornLayerState(self) for _ in range(self.num_layers)]
         self.prefilled = False
         self.prefill_length = 0
@@ -1255,6 +1271,12 @@ class SinkhornCache(Cache):
     @property
     def bucket_capacity(self) -> int:
         return self.capacity // self.bucket_size + 2
+
+    @property
+    def slots(self) -> int:
+        """Key/value slots per layer, whole buckets: the null buckets (and the shifted heads' virtual token), the
+        positions and slack for bucket views."""
+        return self.origin - 1 + self.capacity + 3 * self.bucket_size
 
     def reserve(self, total: int) -> None:
         """Make room for `total` tokens (padding included): eager calls only, in whole buckets."""
@@ -1341,10 +1363,14 @@ class SinkhornCache(Cache):
     def _apply(self, fn) -> None:
         if self.lengths is None:
             return
-        self.lengths = fn(self.lengths)
-        self.token_mask = fn(self.token_mask)
+
+        def remap(t):  # the new tensors are updated in place too
+            return _static(fn(t))
+
+        self.lengths = remap(self.lengths)
+        self.token_mask = remap(self.token_mask)
         for layer in self.layers:
-            layer._apply(fn)
+            layer._apply(remap)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -1490,8 +1516,10 @@ def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int], name: str) ->
 class SinkhornModel(SinkhornPreTrainedModel):
     """Token ids (or `inputs_embeds`) to hidden states (the seed's `SinkhornTransformer` / `return_embeddings`).
 
-    Inputs of any length are padded to a multiple of `bucket_size` (padding masked, output trimmed). Left padding
-    is supported: positions count real tokens only, so a left-padded row gets the positions of the unpadded one.
+    Inputs of any length are padded to a multiple of `bucket_size` (padding masked, output trimmed). Any padding
+    (left padding for generation) is supported: positions count real tokens only, and each row's real tokens are
+    moved to the front before the layers (and the outputs back after), so buckets start at a row's first real
+    token and a row's outputs equal those of the unpadded row.
     """
 
     def __init__(self, config: SinkhornConfig):

@@ -107,7 +107,7 @@ def test_generate_sizes_a_static_compileable_cache():
     cache = out.cache
     assert isinstance(cache, SinkhornCache) and cache.is_compileable
     assert cache.max_cache_len == 10 and cache.capacity == 12  # generate's max_length - 1, in whole buckets
-    assert cache.layers[0].keys.shape[2] == 12 and cache.get_seq_length() == 10
+    assert cache.layers[0].keys.shape[2] == cache.slots and cache.get_seq_length() == 10
 
 
 @needs_traceable_outputs
