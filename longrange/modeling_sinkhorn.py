@@ -126,22 +126,22 @@ def _batch_head_index(b: int, h: int, ndim: int, device) -> tuple[torch.Tensor, 
     return torch.arange(b, device=device).view(shape_b), torch.arange(h, device=device).view(shape_h)
 
 
-def _pick_buckets(t: torch.Tensor, heads: slice, start: int, size: int, which: torch.Tensor) -> torch.Tensor:
+def _pick_buckets(tensors, heads: slice, start: int, size: int, which: torch.Tensor) -> list[torch.Tensor]:
     """Whole buckets of cache slots: bucket j of a head is slots start + j * size ... start + (j + 1) * size - 1.
 
-    t: a layer's keys or values [b, H, S, d] (S a multiple of size); heads: the group's heads;
-    which: [b, h or 1, k] bucket indices (clamped into range; callers mask what falls outside) -> [b, h, k * size,
-    d]. Every (row, head, bucket) is one row of a strided view of the cache, so the pick is one `index_select`
-    of contiguous blocks (several times faster on the CPU than advanced indexing or `gather`)."""
-    b, n_heads, slots, d = t.shape
+    tensors: a layer's keys and values, each [b, H, S, d] (S a multiple of size); heads: the group's heads;
+    which: [b, h or 1, k] bucket indices (clamped into range; callers mask what falls outside) -> each [b, h,
+    k * size, d]. Every (row, head, bucket) is one row of a strided view of the cache, so the pick is one
+    `index_select` of contiguous blocks (several times faster on the CPU than advanced indexing or `gather`)."""
+    b, n_heads, slots, d = tensors[0].shape
     per_head = slots // size
     skip, shift = divmod(start, size)  # whole buckets, then slots
-    # (t is a cache tensor of its own: contiguous, at the start of its storage)
-    blocks = t.as_strided((b * n_heads * per_head - 1, size, d), (size * d, d, 1), shift * d)
     h = heads.stop - heads.start
-    head = torch.arange(b, device=t.device)[:, None] * n_heads + heads.start + torch.arange(h, device=t.device)
-    flat = head[..., None] * per_head + (which + skip).clamp(0, per_head - 2)  # [b, h, k]
-    return blocks.index_select(0, flat.reshape(-1)).view(b, h, -1, d)
+    head = torch.arange(b, device=which.device)[:, None] * n_heads + heads.start + torch.arange(h, device=which.device)
+    flat = (head[..., None] * per_head + (which + skip).clamp(0, per_head - 2)).reshape(-1)  # [b * h * k]
+    # (each tensor is a cache tensor of its own: contiguous, at the start of its storage)
+    shape, strides = (b * n_heads * per_head - 1, size, d), (size * d, d, 1)
+    return [t.as_strided(shape, strides, shift * d).index_select(0, flat).view(b, h, -1, d) for t in tensors]
 
 
 def _prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
@@ -233,7 +233,7 @@ class LocalHeads(nn.Module):
         size = self.bucket_size
         u = torch.div(position, size, rounding_mode="floor")  # [b]
         which = torch.stack([u - 1, u], dim=-1)[:, None]  # [b, 1, 2]
-        k, v = (_pick_buckets(t, heads, origin, size, which) for t in (keys, values))
+        k, v = _pick_buckets((keys, values), heads, origin, size, which)
         pos = ((u - 1) * size)[:, None] + torch.arange(2 * size, device=q.device)  # [b, 2B]
         m = (pos >= 0) & (pos <= position[:, None])  # the token always sees itself
         return attend(q, k, v, bias=additive(m[:, None, None, :], q.dtype), implementation=self.implementation)
@@ -548,16 +548,17 @@ class CausalSinkhornHeads(nn.Module):
         sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
         unless weight_routed_values), each [b, h, n_sel]."""
         b, h, d = sq.shape
+        column = sq[..., None] * d**-0.5  # [b, h, d, 1]
         if self.cross:
-            scores = torch.einsum("bhd,bhnd->bhn", sq, sk)[:, :, None] * d**-0.5  # [b, h, 1, n]
+            scores = (sk @ column).transpose(-1, -2)  # [b, h, 1, n]
             valid = valid_real[:, None, None, :]
             n_sel = min(self.n_top, sk.shape[2])
         else:
             if self.zero_null_score:
-                null_scores = sq.new_zeros(b, h, self.n_top)
+                null_scores = sq.new_zeros(b, h, self.n_top, 1)
             else:
-                null_scores = torch.einsum("bhd,hnd->bhn", sq, self.null_keys.float())
-            scores = torch.cat([null_scores, torch.einsum("bhd,bhnd->bhn", sq, sk)], dim=-1)[:, :, None] * d**-0.5
+                null_scores = self.null_keys.float() @ column  # [b, h, n_null, 1]
+            scores = torch.cat([null_scores, sk @ column], dim=2).transpose(-1, -2)  # [b, h, 1, n_null + n]
             nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
             valid = torch.cat([nulls, valid_real], dim=-1)[:, None, None, :]
             n_sel = self.n_top
@@ -578,12 +579,13 @@ class CausalSinkhornHeads(nn.Module):
         earlier = torch.arange(counts.shape[1], device=counts.device)[None] < u[:, None]
         return sk, earlier & (counts > 0)
 
-    def route_step(self, q, position, real, state, sk=None, k_valid=None):
+    def route_step(self, q, position, real, state, sk=None, k_valid=None, u=None):
         """Add the token at `position` [b] (real: [b] bool, whether it enters the summaries) to the running query
         sum; rows whose token leads a bucket choose that bucket's key buckets. Self-attention reads the key
         summaries from `state`; cross-attention passes the context's (sk, k_valid)."""
         size, off = self.bucket_size, self.offset
-        u = torch.div(position + off, size, rounding_mode="floor")
+        if u is None:
+            u = torch.div(position + off, size, rounding_mode="floor")
         state["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
         state["q_count"].add_(real.float())
         sq = state["q_sum"] / state["q_count"].clamp_min(1)[:, None, None]  # [b, h, d]
@@ -623,12 +625,11 @@ class CausalSinkhornHeads(nn.Module):
         state["k_sum"].scatter_add_(2, u[:, None, None, None].expand(b, h, 1, d), new_k[:, :, None])
         state["k_count"].scatter_add_(1, u[:, None], counted.float()[:, None])
         state["queries"].scatter_(2, position[:, None, None, None].expand(b, h, 1, d), q.to(state["queries"].dtype))
-        self.route_step(q, position, counted, state)
+        self.route_step(q, position, counted, state, u=u)
 
         choice = state["route"]  # [b, h, n_sel]: bank indices (null buckets first)
         which = torch.cat([choice, (n_null + u)[:, None, None].expand(b, h, 1)], dim=-1)  # chosen, then own
-        keys_all = _pick_buckets(keys, heads, 1 - off, size, which)  # [b, h, (n_sel + 1) B, d]
-        values_all = _pick_buckets(values, heads, 1 - off, size, which)
+        keys_all, values_all = _pick_buckets((keys, values), heads, 1 - off, size, which)  # [b, h, (n_sel + 1) B, d]
         if self.weight_routed_values:
             weight = F.pad(state["route_weight"], (0, 1), value=1.0)  # the own bucket unweighted
             weight = weight[..., None].expand(b, h, -1, size).reshape(b, h, -1, 1)
