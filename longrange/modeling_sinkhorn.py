@@ -1110,9 +1110,10 @@ class SinkhornLayerState:
 
     def __init__(self, owner: SinkhornCache):
         self.owner = owner
-        self.keys = self.values = None  # [b, H, capacity, d]
+        self.keys = self.values = None  # [b, H, slots, d]
         self.groups: list[dict] = []
-        self.heads: list[nn.Module] = []  # the head group of each entry of `groups` (for `crop`)
+        self.heads: list[nn.Module] = []  # the head group of each entry of `groups` and its heads (for `crop`)
+        self.slices: list[tuple[int, int]] = []
         self.cross_state: dict | None = None
         self.cross_heads: nn.Module | None = None
         self.context: dict | None = None
@@ -1130,7 +1131,7 @@ class SinkhornLayerState:
         self.values = _static(v.new_zeros(b, v.shape[1], owner.slots, d))
         self.keys[:, :, origin : origin + n] = k[:, :, :n].detach()
         self.values[:, :, origin : origin + n] = v[:, :, :n].detach()
-        self.groups, self.heads = [], list(groups)
+        self.groups, self.heads, self.slices = [], list(groups), list(slices)
         for record, group, (s, e) in zip(records, groups, slices):
             state = {}
             if record:
@@ -1204,21 +1205,12 @@ class SinkhornLayerState:
 
     def rebuild(self, lengths: torch.Tensor) -> None:
         """The routing state after the first `lengths` [b] real tokens of every row (see `SinkhornCache.crop`)."""
-        for heads, state in zip(self.heads, self.groups):
+        origin = self.owner.origin
+        for heads, state, (s, e) in zip(self.heads, self.groups, self.slices):
             if state:
-                origin = self.owner.origin
-                positions = self.keys[:, self._slice(heads), origin : origin + self.owner.capacity]
-                heads.rebuild(state, lengths, keys=positions)
+                heads.rebuild(state, lengths, keys=self.keys[:, s:e, origin : origin + self.owner.capacity])
         if self.cross_state is not None:
             self.cross_heads.rebuild(self.cross_state, lengths, sk=self.context["sk"], k_valid=self.context["k_valid"])
-
-    def _slice(self, heads) -> slice:
-        start = 0
-        for other in self.heads:
-            if other is heads:
-                return slice(start, start + other.num_heads)
-            start += other.num_heads
-        raise KeyError(heads)
 
     def _apply(self, fn):
         if self.keys is not None:
