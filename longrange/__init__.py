@@ -26,6 +26,7 @@ from .modeling_sinkhorn import (
     SinkhornForMaskedLM,
     SinkhornModel,
     SinkhornPreTrainedModel,
+    SinkhornRouting,
 )
 from .product_key_memory import ProductKeyMemory, pkm_parameter_groups
 
@@ -107,5 +108,6 @@ __all__ = [
     "SinkhornForMaskedLM",
     "SinkhornModel",
     "SinkhornPreTrainedModel",
+    "SinkhornRouting",
     "pkm_parameter_groups",
 ]

@@ -66,7 +66,8 @@ def attend(
         scores = torch.matmul(query, key.transpose(-1, -2)) * scale
         if additive is not None:
             scores = scores + additive
-        probs = scores.float().softmax(dim=-1).to(query.dtype)
+        # softmax in float32 at least (float64 inputs keep their precision)
+        probs = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1).to(query.dtype)
         probs = F.dropout(probs, p=dropout, training=dropout > 0)
         out = torch.matmul(probs, value)
     if mask is not None:

@@ -24,6 +24,7 @@ masked wrap-around).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +33,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MaskedLMOutput
+from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
-from .compat import BaseModelOutputWithPast, CausalLMOutputWithCrossAttentions
+from .compat import cache_output
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend, check_token_ids
 from .product_key_memory import ProductKeyMemory
@@ -160,14 +161,15 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
-def attend_buckets(q, k, v, mask, dropout: float, implementation: str, bias=None) -> torch.Tensor:
+def attend_buckets(q, k, v, mask, dropout: float, implementation: str, bias=None, return_weights=False):
     """Attention inside buckets. q: [b, h, n, Lq, d]; k, v: [b, h, n, K, d]; mask (bool) or bias (additive
     float): broadcastable to [b, h, n, Lq or 1, K]. Heads and buckets are merged into one dimension because the
     fused sdpa kernels take 4-D inputs (5-D inputs fall back to a path about 3x slower on CPU).
 
     `bias` is for callers whose every real query row sees at least one key: it skips `attend`'s bool-to-float
     conversion and its zeroing of fully masked rows (only padded query rows can be fully masked there, and
-    their outputs are never used)."""
+    their outputs are never used). `return_weights` (output_attentions): the explicit softmax, whatever the
+    implementation, and also its probabilities (after dropout) [b, h, n, Lq, K]."""
     b, h, n, lq, d = q.shape
     keys = k.shape[3]
     given = mask if bias is None else bias
@@ -181,8 +183,27 @@ def attend_buckets(q, k, v, mask, dropout: float, implementation: str, bias=None
         bias=flat if bias is not None else None,
         dropout=dropout,
         implementation=implementation,
+        return_weights=return_weights,
     )
+    if return_weights:
+        out, probs = out
+        return out.view(b, h, n, lq, d), probs.view(b, h, n, lq, keys)
     return out.view(b, h, n, lq, d)
+
+
+def token_weights(probs, key_pos, factor, width: int) -> torch.Tensor:
+    """Bucketed attention probabilities placed at the keys' token positions (output_attentions).
+
+    probs: [b, h, n, Lq, K]; key_pos: long, broadcastable to [b, h, n, K], the column of each key in the dense
+    map (-1: no token, its probability is zero); factor: the weight that multiplies each key's value (routed
+    buckets' routing weights), broadcastable to [b, h, n, K], or None. Returns [b, h, n * Lq, width] with
+    output = map @ values; a token that is a key twice in a bucket (own bucket also routed) adds up."""
+    b, h, n, lq, keys = probs.shape
+    if factor is not None:
+        probs = probs * factor.to(probs.dtype)[..., None, :]
+    index = key_pos.masked_fill(key_pos < 0, width)[..., None, :].expand(b, h, n, lq, keys)
+    dense = probs.new_zeros(b, h, n, lq, width + 1).scatter_add_(-1, index, probs)
+    return dense[..., :width].reshape(b, h, n * lq, width)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,9 +219,10 @@ class LocalHeads(nn.Module):
         self.num_heads, self.bucket_size, self.causal = num_heads, bucket_size, causal
         self.dropout, self.implementation = dropout, implementation
 
-    def forward(self, q, k, v, mask, record=None):
+    def forward(self, q, k, v, mask, record=None, attn_weights=None):
         """q, k, v: [b, h, L, d]; mask: [b, L] real tokens. Nothing to record for the cache: a step reads the
-        window straight from the cached keys/values."""
+        window straight from the cached keys/values. `attn_weights`: a dict that receives the dense attention
+        map (output_attentions; see `SinkhornSelfAttention.forward`)."""
         b, h, length, d = q.shape
         size = self.bucket_size
         n = length // size
@@ -220,6 +242,12 @@ class LocalHeads(nn.Module):
         # language-model label can read) is that of an ordinary softmax in every attention implementation
         itself = F.pad(torch.eye(size, dtype=torch.bool, device=q.device), (size, size * (len(shifts) - 2)))
         bias = additive(attn_mask | itself, q.dtype)  # [b, 1, n, B, kB]
+        if attn_weights is not None:
+            out, probs = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias, True)
+            pos = torch.arange(length, device=q.device).view(1, 1, n, size)
+            key_pos = torch.cat([_prev_bucket(pos, 2, s, -1) if s else pos for s in shifts], dim=3)
+            attn_weights["map"] = token_weights(probs, key_pos, None, length)
+            return out.reshape(b, h, length, d)
         out = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias=bias)
         return out.reshape(b, h, length, d)
 
@@ -282,9 +310,10 @@ class SinkhornHeads(nn.Module):
         self.temperature, self.dropout, self.implementation = temperature, dropout, implementation
         self.sort_net = nn.Parameter(torch.empty(num_heads, 2 * head_dim, max_buckets)) if use_simple_sort_net else None
 
-    def forward(self, q, k, v, q_mask, k_mask=None, record=None):
+    def forward(self, q, k, v, q_mask, k_mask=None, record=None, attn_weights=None):
         """q: [b, h, Lq, d]; k, v: [b, h, Lk, d]; q_mask / k_mask: [b, L] real tokens (k_mask defaults to q_mask,
-        self-attention). `record` is unused: non-causal models have no generation cache."""
+        self-attention). `record` is unused: non-causal models have no generation cache. `attn_weights`: a dict
+        that receives the dense attention map and the routing (output_attentions)."""
         k_mask = q_mask if k_mask is None else k_mask
         b, h, lq, d = q.shape
         nq, nk = lq // self.bucket_size, k.shape[2] // self.kv_bucket_size
@@ -318,7 +347,8 @@ class SinkhornHeads(nn.Module):
                 valid = valid & (own[:, None] != torch.arange(nk, device=q.device))[None, None]
             n_sel = min(self.n_top, nk - 1 if exclude_own else nk)
 
-        keys_parts, value_parts, mask_parts = [], [], []
+        keys_parts, value_parts, mask_parts, pos_parts, factor_parts = [], [], [], [], []
+        k_pos = torch.arange(nk * self.kv_bucket_size, device=q.device).view(nk, self.kv_bucket_size)
         if n_sel > 0:
             idx, picked_valid, scale = select_buckets(
                 scores,
@@ -345,18 +375,40 @@ class SinkhornHeads(nn.Module):
             keys_parts.append(routed_k.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d))
             value_parts.append(routed_v.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d))
             mask_parts.append(routed_m.reshape(b, h, routed_m.shape[2], -1).expand(b, h, nq, -1))
+            if attn_weights is not None:
+                pos_parts.append(k_pos[idx].reshape(b, h, rows, -1).expand(b, h, nq, -1))
+                weight = torch.ones_like(idx, dtype=torch.float32) if scale is None else scale.float()
+                factor_parts.append(
+                    weight[..., None]
+                    .expand(*idx.shape, self.kv_bucket_size)
+                    .reshape(b, h, rows, -1)
+                    .expand(b, h, nq, -1)
+                )
+                # the routing: each query bucket's chosen key buckets (-1 where a pick is masked out) and weights
+                shown = routed_m.any(-1).expand(b, h, nq, n_sel)
+                attn_weights["route"] = idx.expand(b, h, nq, n_sel).masked_fill(~shown, -1)
+                attn_weights["route_weight"] = weight.expand(b, h, nq, n_sel).masked_fill(~shown, 0.0)
         if self.include_own:
             keys_parts.append(bk)
             value_parts.append(bv)
             mask_parts.append(bkm[:, None].expand(b, h, nq, -1))
+            if attn_weights is not None:
+                pos_parts.append(k_pos.expand(b, h, nq, -1))
+                factor_parts.append(torch.ones(b, h, nq, self.kv_bucket_size, device=q.device))
         keys = torch.cat(keys_parts, dim=3)  # [b, h, nq, K, d]
         values = torch.cat(value_parts, dim=3)
         attn_mask = torch.cat(mask_parts, dim=3)[:, :, :, None, :]  # [b, h, nq, 1, K]
         p = self.dropout if self.training else 0.0
+        want = attn_weights is not None
         if self.include_own:  # a real query always sees itself: an additive mask is enough
-            out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=additive(attn_mask, q.dtype))
+            bias = additive(attn_mask, q.dtype)
+            out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=bias, return_weights=want)
         else:  # cross-attention: a row may see no context at all and must then give zeros
-            out = attend_buckets(bq, keys, values, attn_mask, p, self.implementation)
+            out = attend_buckets(bq, keys, values, attn_mask, p, self.implementation, return_weights=want)
+        if want:
+            out, probs = out
+            key_pos, factor = torch.cat(pos_parts, dim=3), torch.cat(factor_parts, dim=3)
+            attn_weights["map"] = token_weights(probs, key_pos, factor, k.shape[2])
         return out.reshape(b, h, lq, d)
 
 
@@ -408,10 +460,10 @@ class CausalSinkhornHeads(nn.Module):
 
     # -- full sequence -----------------------------------------------------------------------------------------
 
-    def forward(self, q, k, v, mask, k_mask=None, record=None):
+    def forward(self, q, k, v, mask, k_mask=None, record=None, attn_weights=None):
         """q, k, v: [b, h, L, d] (L a multiple of bucket_size); mask: [b, L] real query tokens;
         k_mask: context mask for cross-attention (self-attention uses `mask`). `record`: a dict that receives
-        what the generation cache needs."""
+        what the generation cache needs; `attn_weights`: one that receives the attention map and the routing."""
         size, off = self.bucket_size, self.offset
         length = q.shape[2]
         if off:
@@ -419,14 +471,18 @@ class CausalSinkhornHeads(nn.Module):
             q, k, v = (F.pad(t, (0, 0, off, size - off)) for t in (q, k, v))
             mask = F.pad(mask, (off, size - off), value=False)
         null = None if self.cross else (self.null_keys[None], self.null_values[None])
-        out = self.bucketed(q, k, v, mask, k_mask, record, null)
+        out = self.bucketed(q, k, v, mask, k_mask, record, null, attn_weights)
         if record is not None:
             record["offset"] = off
+        if attn_weights is not None:
+            _trim_weights(attn_weights, off, length, None if self.cross else self.n_top)
         return out[:, :, off : off + length]
 
-    def bucketed(self, q, k, v, mask, k_mask, record, null):
+    def bucketed(self, q, k, v, mask, k_mask, record, null, attn_weights=None):
         """The attention over buckets of already shifted inputs (length a multiple of bucket_size), output not
-        trimmed. null: (null keys, null values) [b or 1, h, n_null, d] for self-attention, None for cross."""
+        trimmed. null: (null keys, null values) [b or 1, h, n_null, d] for self-attention, None for cross.
+        attn_weights: receives the map [b, h, L, L + n_null] (self-attention: the null buckets' keys in the last
+        columns) or [b, h, L, Lk] (cross), and the routing (bucket indices into the bank: null buckets first)."""
         size = self.bucket_size
         b, h, lq, d = q.shape
         n = lq // size
@@ -505,9 +561,33 @@ class CausalSinkhornHeads(nn.Module):
         routed_v = routed_v.reshape(b, h, n, -1, d)
         routed_m = (bank_m[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
         p = self.dropout if self.training else 0.0
+        want = attn_weights is not None
+        if want:
+            # each slot's column in the map: bank bucket j's slot s is token j * B + s (self-attention: the null
+            # buckets, first in the bank, are the columns after the tokens)
+            slot = torch.arange(bank_k.shape[3], device=q.device)
+            if self.cross:
+                bank_pos = torch.arange(bank_k.shape[2], device=q.device)[:, None] * bank_k.shape[3] + slot
+            else:
+                bank_pos = torch.cat(
+                    [
+                        (lq + torch.arange(n_sel, device=q.device))[:, None].expand(-1, size),
+                        torch.arange(lq, device=q.device).view(n, size),
+                    ]
+                )  # [n_null + n, B]
+            routed_pos = bank_pos[idx].reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
+            weight = torch.ones_like(idx, dtype=torch.float32) if scale is None else scale.float()
+            routed_factor = weight[..., None].expand(*idx.shape, bank_k.shape[3]).reshape(b, h, n, -1)
+            attn_weights["route"] = idx.masked_fill(~picked_valid, -1)
+            attn_weights["route_weight"] = weight.masked_fill(~picked_valid, 0.0)
         if self.cross:
             # a row may see no context at all (fully padded context): bool mask, zeros for such rows
-            out = attend_buckets(bq, routed_k, routed_v, routed_m[:, :, :, None, :], p, self.implementation)
+            out = attend_buckets(
+                bq, routed_k, routed_v, routed_m[:, :, :, None, :], p, self.implementation, return_weights=want
+            )
+            if want:
+                out, probs = out
+                attn_weights["map"] = token_weights(probs, routed_pos, routed_factor, k.shape[2])
         else:
             keys = torch.cat([routed_k, bk], dim=3)  # [b, h, n, (n_sel + 1) B, d]
             values = torch.cat([routed_v, bv], dim=3)
@@ -522,7 +602,13 @@ class CausalSinkhornHeads(nn.Module):
                 ],
                 dim=-1,
             )
-            out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=bias)
+            out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=bias, return_weights=want)
+            if want:
+                out, probs = out
+                own_pos = torch.arange(lq, device=q.device).view(1, 1, n, size).expand(b, h, n, size)
+                key_pos = torch.cat([routed_pos, own_pos], dim=3)
+                factor = torch.cat([routed_factor, routed_factor.new_ones(b, h, n, size)], dim=3)
+                attn_weights["map"] = token_weights(probs, key_pos, factor, lq + n_sel)
         out = out.reshape(b, h, lq, d)
 
         if record is not None:
@@ -739,13 +825,32 @@ def _unsupported_attention(impl) -> str:
     )
 
 
-def causal_pair(plain: CausalSinkhornHeads, shifted: CausalSinkhornHeads, q, k, v, mask, records=None):
+def _trim_weights(attn_weights: dict, off: int, length: int, n_null: int | None, rows=slice(None)) -> None:
+    """`bucketed`'s map and routing (of batch rows `rows`) -> token coordinates: the map of the `length` real
+    positions ([b, h, length, length], self-attention's null-bucket columns moved to "null" [b, h, length,
+    n_null]) and the routing's bank indices -> key bucket indices in the heads' own bucket grid, -1 for a null
+    bucket or a masked pick."""
+    full = attn_weights["map"][rows]
+    lq = full.shape[2]
+    attn_weights["map"] = full[:, :, off : off + length, off : off + length] if n_null else full[:, :, :length]
+    route = attn_weights["route"][rows]
+    if n_null:
+        attn_weights["null"] = full[:, :, off : off + length, lq:]
+        route = torch.where(route >= n_null, route - n_null, -1)
+    attn_weights["route"], attn_weights["route_weight"] = route, attn_weights["route_weight"][rows]
+    attn_weights["offset"] = off
+
+
+def causal_pair(
+    plain: CausalSinkhornHeads, shifted: CausalSinkhornHeads, q, k, v, mask, records=None, attn_weights=None
+):
     """The ordinary and the shifted causal Sinkhorn heads of a layer in ONE pass, with the numbers of two
     `forward` calls and half their kernel launches. The batch is doubled: its first half holds the ordinary heads'
     rows with one empty bucket appended (a later bucket, so never a candidate, and its queries are dropped), its
     second half the shifted heads' rows, padded as in `forward`. Needs equal head counts.
 
-    q, k, v: [b, 2h, L, d] (ordinary heads first); mask: [b, L]; records: None or one dict per group."""
+    q, k, v: [b, 2h, L, d] (ordinary heads first); mask: [b, L]; records, attn_weights: None or one dict per
+    group."""
     size, h, off = plain.bucket_size, plain.num_heads, shifted.offset
     b, _, length, _ = q.shape
     pads = ((0, size), (off, size - off))
@@ -761,7 +866,15 @@ def causal_pair(plain: CausalSinkhornHeads, shifted: CausalSinkhornHeads, q, k, 
         for name in ("null_keys", "null_values")
     )  # each group's null buckets for its rows
     record = {} if records is not None else None
-    out = plain.bucketed(stack(q), stack(k), stack(v), masks, None, record, null)  # [2b, h, L + size, d]
+    both = {} if attn_weights is not None else None
+    out = plain.bucketed(stack(q), stack(k), stack(v), masks, None, record, null, both)  # [2b, h, L + size, d]
+    if attn_weights is not None:
+        for half, group, target in ((slice(0, b), plain, attn_weights[0]), (slice(b, 2 * b), shifted, attn_weights[1])):
+            target.update(both)
+            _trim_weights(target, group.offset, length, group.n_top, half)
+        n = length // size  # the ordinary heads' appended empty bucket has no routing
+        attn_weights[0]["route"] = attn_weights[0]["route"][:, :, :n]
+        attn_weights[0]["route_weight"] = attn_weights[0]["route_weight"][:, :, :n]
     if records is not None:
         for half, group, target in ((slice(0, b), plain, records[0]), (slice(b, 2 * b), shifted, records[1])):
             target.update({key: val if val is None else val[half] for key, val in record.items()})
@@ -862,7 +975,13 @@ class SinkhornSelfAttention(nn.Module):
         b, length, _ = x.shape
         return x.view(b, length, -1, self.head_dim).transpose(1, 2)  # [b, H, L, d]
 
-    def forward(self, hidden_states, attention_mask, layer_cache=None):
+    def forward(self, hidden_states, attention_mask, layer_cache=None, attn_weights=None):
+        """attn_weights (output_attentions): a dict that receives, over all heads, "map" [b, H, L, L] (each
+        query's attention weights at its keys' positions, routed values' weights included), "null" [b, H, L,
+        n_top] (causal: the weight on each null bucket's key; None for non-causal models), "route" / "route_weight"
+        [b, H, query buckets, n_chosen] (chosen key buckets in each head's bucket grid, -1 for none or a null
+        bucket; 0-weight where nothing is chosen) and "offset" [H] (head h's bucket u starts at token
+        u * bucket_size - offset[h])."""
         b, length, _ = hidden_states.shape
         q = self._heads(self.to_q(hidden_states))
         k, v = (self._heads(t) for t in self.to_kv(hidden_states).chunk(2, dim=-1))
@@ -872,23 +991,61 @@ class SinkhornSelfAttention(nn.Module):
             records = [None] * len(self.groups)
             if layer_cache is not None:
                 records = [{} for _ in self.groups]
+            looks = [None] * len(self.groups) if attn_weights is None else [{} for _ in self.groups]
             outs = []
             for run in self.runs:
                 s, e = self.slices[run[0]][0], self.slices[run[-1]][1]
                 if len(run) == 2:
                     pair_records = None if layer_cache is None else [records[i] for i in run]
+                    pair_looks = None if attn_weights is None else [looks[i] for i in run]
                     plain, shifted = (self.groups[i] for i in run)
-                    outs.append(
-                        causal_pair(plain, shifted, q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, pair_records)
-                    )
+                    qs, ks, vs = q[:, s:e], k[:, s:e], v[:, s:e]
+                    outs.append(causal_pair(plain, shifted, qs, ks, vs, attention_mask, pair_records, pair_looks))
                 else:
                     group = self.groups[run[0]]
-                    outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], attention_mask, record=records[run[0]]))
+                    outs.append(
+                        group(
+                            q[:, s:e],
+                            k[:, s:e],
+                            v[:, s:e],
+                            attention_mask,
+                            record=records[run[0]],
+                            attn_weights=looks[run[0]],
+                        )
+                    )
             out = torch.cat(outs, dim=1)
             if layer_cache is not None:
                 layer_cache.fill_self(q, k, v, records, self.groups, self.slices)
+            if attn_weights is not None:
+                attn_weights.update(self._gather_weights(looks, length))
         out = out.transpose(1, 2).reshape(b, length, -1)
         return self.to_out(out)
+
+    def _gather_weights(self, looks: list[dict], length: int) -> dict:
+        """The head groups' maps and routing (see `forward`) over all heads; routing padded to a common shape."""
+        maps = torch.cat([look["map"] for look in looks], dim=1)
+        b, device = maps.shape[0], maps.device
+        size = self.groups[0].bucket_size
+        n_null = max((look["null"].shape[-1] for look in looks if "null" in look), default=0)
+        rows = max([look["route"].shape[2] for look in looks if "route" in look] + [length // size])
+        picks = max((look["route"].shape[3] for look in looks if "route" in look), default=0)
+        nulls, routes, weights, offsets = [], [], [], []
+        for look, group in zip(looks, self.groups):
+            h = group.num_heads
+            route = look.get("route", torch.full((b, h, 0, 0), -1, dtype=torch.long, device=device))
+            weight = look.get("route_weight", torch.zeros(route.shape, device=device))
+            pad = (0, picks - route.shape[3], 0, rows - route.shape[2])
+            routes.append(F.pad(route, pad, value=-1))
+            weights.append(F.pad(weight.float(), pad, value=0.0))
+            nulls.append(look.get("null", maps.new_zeros(b, h, length, n_null)))
+            offsets += [look.get("offset", 0)] * h
+        return {
+            "map": maps,
+            "null": torch.cat(nulls, dim=1) if n_null else None,
+            "route": torch.cat(routes, dim=1),
+            "route_weight": torch.cat(weights, dim=1),
+            "offset": torch.tensor(offsets, device=device),
+        }
 
     def _step(self, q, k, v, layer_cache):
         position, real = layer_cache.owner.lengths, layer_cache.owner.step_real  # [b] each
@@ -955,7 +1112,8 @@ class SinkhornCrossAttention(nn.Module):
         b, length, _ = x.shape
         return x.view(b, length, -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, hidden_states, attention_mask, context, context_mask, layer_cache=None):
+    def forward(self, hidden_states, attention_mask, context, context_mask, layer_cache=None, attn_weights=None):
+        """attn_weights (output_attentions): a dict that receives "map" [b, H, L, context length]."""
         b, length, _ = hidden_states.shape
         q = self._heads(self.to_q(hidden_states))
         if layer_cache is not None and layer_cache.is_stepping:
@@ -965,11 +1123,11 @@ class SinkhornCrossAttention(nn.Module):
             k, v = (self._heads(t) for t in self.to_kv(context).chunk(2, dim=-1))
             if self.causal:
                 record = {} if layer_cache is not None else None
-                out = self.heads(q, k, v, attention_mask, k_mask=context_mask, record=record)
+                out = self.heads(q, k, v, attention_mask, k_mask=context_mask, record=record, attn_weights=attn_weights)
                 if layer_cache is not None:
                     layer_cache.fill_cross(q, k, v, context_mask, record, self.heads)
             else:
-                out = self.heads(q, k, v, attention_mask, context_mask)
+                out = self.heads(q, k, v, attention_mask, context_mask, attn_weights=attn_weights)
         out = out.transpose(1, 2).reshape(b, length, -1)
         return self.to_out(out)
 
@@ -988,8 +1146,8 @@ class AttentionBlock(nn.Module):
         self.attention = SinkhornSelfAttention(config)
         self.dropout = nn.Dropout(config.attn_layer_dropout)
 
-    def forward(self, hidden_states, attention_mask=None, layer_cache=None, **unused):
-        return self.dropout(self.attention(self.norm(hidden_states), attention_mask, layer_cache))
+    def forward(self, hidden_states, attention_mask=None, layer_cache=None, attn_weights=None, **unused):
+        return self.dropout(self.attention(self.norm(hidden_states), attention_mask, layer_cache, attn_weights))
 
 
 class CrossAttentionBlock(nn.Module):
@@ -999,8 +1157,21 @@ class CrossAttentionBlock(nn.Module):
         self.attention = SinkhornCrossAttention(config)
         self.dropout = nn.Dropout(config.attn_layer_dropout)
 
-    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, layer_cache=None, **unused):
-        out = self.attention(self.norm(hidden_states), attention_mask, context, context_mask, layer_cache)
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        context=None,
+        context_mask=None,
+        layer_cache=None,
+        attn_weights=None,
+        **unused,
+    ):
+        """attn_weights: the layer's dict; the cross-attention's weights go to its "cross" entry."""
+        cross = None
+        if attn_weights is not None:
+            cross = attn_weights["cross"] = {}
+        out = self.attention(self.norm(hidden_states), attention_mask, context, context_mask, layer_cache, cross)
         return self.dropout(out)
 
 
@@ -1051,10 +1222,22 @@ class SinkhornLayer(GradientCheckpointingLayer):
         return pairs
 
     def forward(
-        self, hidden_states, attention_mask=None, context=None, context_mask=None, layer_cache=None, feed_forward=None
+        self,
+        hidden_states,
+        attention_mask=None,
+        context=None,
+        context_mask=None,
+        layer_cache=None,
+        feed_forward=None,
+        attn_weights=None,
     ):
+        """attn_weights (output_attentions): a dict that receives the attention weights (see AttentionBlock)."""
         kwargs = dict(
-            attention_mask=attention_mask, context=context, context_mask=context_mask, layer_cache=layer_cache
+            attention_mask=attention_mask,
+            context=context,
+            context_mask=context_mask,
+            layer_cache=layer_cache,
+            attn_weights=attn_weights,
         )
         for f, g in self.blocks(feed_forward):
             hidden_states = hidden_states + f(hidden_states, **kwargs)
@@ -1415,6 +1598,85 @@ class AxialPositionEmbedding(nn.Module):
         return self.per_bucket[position_ids // self.bucket_size] + self.in_bucket[position_ids % self.bucket_size]
 
 
+@dataclass
+class SinkhornRouting(ModelOutput):
+    """One layer's routing (output_attentions=True), over all heads (local heads first, then the Sinkhorn heads;
+    causal models: ordinary, then shifted).
+
+    key_buckets: [batch, heads, query buckets, picks] long: the key buckets each query bucket attends besides its
+        own (causal: strictly earlier buckets), as indices in the head's own bucket grid (bucket u of head h covers
+        tokens u * bucket_size - offsets[h] onwards); -1 where a pick is a null bucket (causal models), is masked
+        out (SortCut's shared pick of a bucket's own bucket) or does not exist (local heads; the ordinary causal
+        heads' last row when shifted heads have one bucket more).
+    weights: [batch, heads, query buckets, picks] float: the factor the pick's values are multiplied by (its
+        Sinkhorn / softmax routing weight with `weight_routed_values`, else 1); 0 where the pick is not used.
+    offsets: [heads] long: 0 for ordinary buckets, 1 for the causal shifted heads (their bucket u covers tokens
+        u * bucket_size - 1 ... u * bucket_size + bucket_size - 2).
+    null_attention: [batch, heads, seq, n_top_buckets] (causal models): each query token's attention weight on
+        each null bucket's learned key (times its routing weight, as in `attentions`); the attention rows sum to 1
+        minus this mass. None for non-causal models (no null buckets).
+    """
+
+    key_buckets: torch.LongTensor | None = None
+    weights: torch.FloatTensor | None = None
+    offsets: torch.LongTensor | None = None
+    null_attention: torch.FloatTensor | None = None
+
+    def matrix(self) -> torch.Tensor:
+        """[batch, heads, query buckets, key buckets]: `weights` of each chosen key bucket, 0 elsewhere (own and
+        local buckets are not routing choices and are not shown)."""
+        b, h, rows, _ = self.key_buckets.shape
+        chosen = self.key_buckets >= 0
+        out = self.weights.new_zeros(b, h, rows, rows + 1)
+        out.scatter_add_(-1, self.key_buckets.masked_fill(~chosen, rows), self.weights * chosen)
+        return out[..., :rows]
+
+
+@cache_output
+@dataclass
+class SinkhornModelOutput(ModelOutput):
+    """last_hidden_state [batch, seq, hidden]; cache (when use_cache); hidden_states (when asked); with
+    output_attentions: attentions (per layer [batch, heads, seq, seq]: each query's attention weights placed at
+    its keys' positions, the routed buckets' weights included, so that the head's output is attentions @ values
+    (+ the null buckets' share, see SinkhornRouting.null_attention)), cross_attentions (receives_context: per
+    layer [batch, heads, seq, context length]) and routing (per layer a SinkhornRouting)."""
+
+    last_hidden_state: torch.FloatTensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+    cross_attentions: tuple[torch.FloatTensor, ...] | None = None
+    routing: tuple[SinkhornRouting, ...] | None = None
+
+
+@cache_output
+@dataclass
+class SinkhornCausalLMOutput(ModelOutput):
+    """loss; logits [batch, seq, vocab]; cache; hidden_states; attentions, cross_attentions, routing (see
+    SinkhornModelOutput)."""
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+    cross_attentions: tuple[torch.FloatTensor, ...] | None = None
+    routing: tuple[SinkhornRouting, ...] | None = None
+
+
+@dataclass
+class SinkhornMaskedLMOutput(ModelOutput):
+    """loss; logits [batch, seq, vocab]; hidden_states; attentions, cross_attentions, routing (see
+    SinkhornModelOutput)."""
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+    cross_attentions: tuple[torch.FloatTensor, ...] | None = None
+    routing: tuple[SinkhornRouting, ...] | None = None
+
+
 class SinkhornPreTrainedModel(PreTrainedModel):
     config_class = SinkhornConfig
     base_model_prefix = "model"
@@ -1501,6 +1763,16 @@ def _permute_tokens(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor
     return t if order is None else t.gather(1, order[..., None].expand_as(t))
 
 
+def _permute_map(t: torch.Tensor, order: torch.Tensor | None, keys: bool) -> torch.Tensor:
+    """An attention map t [b, h, L, K] with its query tokens (and, `keys`, its key tokens: K = L) in the order
+    `order` [b, L] (None: unchanged)."""
+    if order is None:
+        return t
+    b, h, length, k = t.shape
+    t = t.gather(2, order[:, None, :, None].expand(b, h, length, k))
+    return t.gather(3, order[:, None, None, :].expand(b, h, length, k)) if keys else t
+
+
 def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
     if mask is not None and tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (batch, sequence), got {tuple(mask.shape)}")
@@ -1575,12 +1847,15 @@ class SinkhornModel(SinkhornPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> SinkhornModelOutput:
         config = self.config
-        if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = getattr(config, "output_attentions", False)
+        if output_attentions and self.training and config.layer_dropout > 0:
             raise ValueError(
-                "SinkhornModel: output_attentions is not supported yet (the bucketed attention does not return its "
-                "weights); the Compressive model returns them"
+                "SinkhornModel: output_attentions with layer_dropout > 0 in training mode is not supported (a "
+                "dropped layer attends nothing); call model.eval() first"
             )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("SinkhornModel: pass exactly one of input_ids or inputs_embeds")
@@ -1613,6 +1888,11 @@ class SinkhornModel(SinkhornPreTrainedModel):
 
         batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         stepping = cache is not None and cache.prefilled
+        if output_attentions and stepping:
+            raise ValueError(
+                "SinkhornModel: output_attentions is not available for tokens fed on top of a filled cache (cached "
+                "decoding steps); the forward that fills the cache, or a forward over the whole sequence, returns them"
+            )
         # tokens given before (host count; unknown after compiled steps, which check nothing here)
         past = (cache._seen_host if stepping else 0) if not torch.compiler.is_compiling() else None
         if past is not None and past + length > config.max_position_embeddings:
@@ -1644,7 +1924,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
                     return_dict=True,
                 )
                 outputs.append(out.last_hidden_state)
-            return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
+            return SinkhornModelOutput(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
 
         device = (input_ids if input_ids is not None else inputs_embeds).device
         mask = (
@@ -1694,14 +1974,16 @@ class SinkhornModel(SinkhornPreTrainedModel):
             keep = torch.rand(config.num_hidden_layers, device=hidden.device) >= config.layer_dropout
 
         all_hidden = (_permute_tokens(hidden[:, :length], back),) if output_hidden_states else None
-        if self._reversible is not None and cache is None:
+        looks = [{} if output_attentions else None for _ in range(config.num_hidden_layers)]
+        if self._reversible is not None and cache is None and not output_attentions:
             per_layer = len(self.layers[0].blocks())
             block_skip = [s for s in skip for _ in range(per_layer)]
             f_kwargs = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
             y1, y2 = self._reversible[0](hidden, hidden, f_kwargs=f_kwargs, skip=block_skip)
             hidden = (y1 + y2) / 2
         elif self._reversible is not None:
-            # with a cache: the same two-stream computation as a plain loop (blocks write the cache)
+            # with a cache or output_attentions: the same two-stream computation as a plain loop (blocks write the
+            # cache, the attention weights)
             x1 = x2 = hidden
             for depth in range(config.num_hidden_layers):
                 if skip[depth]:
@@ -1711,7 +1993,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
                     attention_mask=padded_mask,
                     context=context,
                     context_mask=context_mask,
-                    layer_cache=cache.layers[depth],
+                    layer_cache=cache.layers[depth] if cache is not None else None,
+                    attn_weights=looks[depth],
                 )
                 for f, g in layer.blocks(ff):
                     x1 = x1 + f(x2, **kwargs_f)
@@ -1727,6 +2010,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
                     context_mask=context_mask,
                     layer_cache=cache.layers[depth] if cache is not None else None,
                     feed_forward=ff,
+                    attn_weights=looks[depth],
                 )
                 hidden = out if keep is None else torch.where(keep[depth], out, hidden)
                 if output_hidden_states:
@@ -1738,7 +2022,34 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 cache.end_step(mask[:, 0])
             else:
                 cache.end_prefill()
-        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache, hidden_states=all_hidden)
+        attentions = cross_attentions = routing = None
+        if output_attentions:
+            # (maps in the order of the given tokens; routing in each row's bucket grid of its real tokens)
+            attentions = tuple(_permute_map(look["map"][:, :, :length, :length], back, keys=True) for look in looks)
+            routing = tuple(
+                SinkhornRouting(
+                    key_buckets=look["route"],
+                    weights=look["route_weight"],
+                    offsets=look["offset"],
+                    null_attention=None
+                    if look["null"] is None
+                    else _permute_map(look["null"][:, :, :length], back, keys=False),
+                )
+                for look in looks
+            )
+            if context is not None:
+                lc = encoder_hidden_states.shape[1]
+                cross_attentions = tuple(
+                    _permute_map(look["cross"]["map"][:, :, :length, :lc], back, keys=False) for look in looks
+                )
+        return SinkhornModelOutput(
+            last_hidden_state=hidden,
+            cache=cache,
+            hidden_states=all_hidden,
+            attentions=attentions,
+            cross_attentions=cross_attentions,
+            routing=routing,
+        )
 
     def _pad_context(self, context: torch.Tensor, context_mask: torch.Tensor | None):
         b, lc, _ = context.shape
@@ -1841,7 +2152,7 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         logits_to_keep: int = 0,
         **kwargs,
-    ) -> CausalLMOutputWithCrossAttentions:
+    ) -> SinkhornCausalLMOutput:
         if (
             self.training
             and self.config.randomly_truncate_sequence
@@ -1869,8 +2180,14 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithCrossAttentions(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states
+        return SinkhornCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            cross_attentions=outputs.cross_attentions,
+            routing=outputs.routing,
         )
 
 
@@ -1889,7 +2206,7 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
         **kwargs,
-    ) -> MaskedLMOutput:
+    ) -> SinkhornMaskedLMOutput:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1906,7 +2223,14 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return SinkhornMaskedLMOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            cross_attentions=outputs.cross_attentions,
+            routing=outputs.routing,
+        )
 
 
 __all__ = [
@@ -1915,4 +2239,5 @@ __all__ = [
     "SinkhornForMaskedLM",
     "SinkhornModel",
     "SinkhornPreTrainedModel",
+    "SinkhornRouting",
 ]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The one prepared GPU run for issue 9: the training benchmark on one H200, the test suite on CUDA, and short
-# `train.py` runs through Accelerate (FSDP with one process, --compile). Sized for one device command (600 s at
-# most: install ~20 s + benchmark <= BENCH_BUDGET + 90 s = 360 s + tests <= 90 s + train checks <= 120 s), so that
-# a session's 15 device minutes also cover the machine's start (1-2 min) and a rerun of one phase.
+# The one prepared GPU run for issues 9 and 10: the training and decoding benchmarks on one H200, the test suite
+# on CUDA, and short `train.py` runs through Accelerate (FSDP with one process, --compile). Sized for one device
+# command (600 s at most: install ~20 s + training benchmark <= BENCH_BUDGET + 60 s = 230 s + decoding benchmark
+# <= DECODE_BUDGET + 60 s = 140 s + tests <= 90 s + train checks <= 120 s), so that a session's 15 device minutes
+# also cover the machine's start (1-2 min) and a rerun of one phase.
 #
 # 1. Here, on a machine with PyPI (the device has none), once: download the wheels the device image lacks
 #    (the reference packages and their needs, transformers at our version, datasets / evaluate for the tests):
@@ -10,11 +11,12 @@
 # 2. On the device, through the session's device tool, carrying .whl:
 #        run(command="bash scripts/device_run.sh", carry=[".whl"], timeout_s=600)
 #    or one phase: `bash scripts/device_run.sh bench` (tests, train: likewise).
-# Results go to $OUT (bench.json, bench.log, tests.log, train.log; they come back) and docs/benchmarks/gpu.json.
+# Results go to $OUT (bench.json, bench.log, decode.log, tests.log, train.log; they come back) and docs/benchmarks/gpu.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}
-BENCH_BUDGET=${BENCH_BUDGET:-270}
+BENCH_BUDGET=${BENCH_BUDGET:-170}
+DECODE_BUDGET=${DECODE_BUDGET:-80}
 OUT=${OUT:-/tmp/device-run}
 phase=${1:-all}
 
@@ -49,9 +51,17 @@ status=0
 
 if [ "$phase" = all ] || [ "$phase" = bench ]; then
     # the benchmark stops starting rows after BENCH_BUDGET s and rewrites its JSON after every row
-    timeout $((BENCH_BUDGET + 90)) python3 scripts/benchmark_gpu.py --device cuda --budget "$BENCH_BUDGET" \
+    timeout $((BENCH_BUDGET + 60)) python3 scripts/benchmark_gpu.py --device cuda --budget "$BENCH_BUDGET" \
         --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
     [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" docs/benchmarks/gpu.json
+fi
+
+if [ "$phase" = all ] || [ "$phase" = decode ]; then
+    # issue 10: decoding tokens/s at 512 / 1,024 / 4,096 tokens of context, added to the same JSON ("decoding")
+    [ -f "$OUT/bench.json" ] || echo '{}' > "$OUT/bench.json"
+    timeout $((DECODE_BUDGET + 60)) python3 scripts/benchmark_decoding.py --device cuda --budget "$DECODE_BUDGET" \
+        --out "$OUT/bench.json" 2>&1 | tee "$OUT/decode.log" || status=1
+    cp "$OUT/bench.json" docs/benchmarks/gpu.json
 fi
 
 if [ "$phase" = all ] || [ "$phase" = tests ]; then

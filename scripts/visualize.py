@@ -1,11 +1,19 @@
-"""Draw where a saved Compressive model looks: the attention mass each layer gives to its compressed memory, its
-memory and the current segment, along a long document read through the model's cache.
+"""Draw where a saved model looks: a Compressive model's attention mass on its memories along a long document, or
+a Sinkhorn model's routing (which key bucket each query bucket chose, per layer and head).
 
     python scripts/visualize.py outputs/compressive-stdlib/model --text_file some_long_file.txt --out attention.png
+    python scripts/visualize.py outputs/sinkhorn-stdlib/model --text_file some_file.txt --out routing.png
 
-The document is fed one segment at a time with the cache carried across (as generation and streaming evaluation
-do), with `output_attentions=True`; each point is one segment: the mass of each region averaged over the
-segment's tokens and the layer's heads. Writes the PNG and, with --json, the numbers.
+Compressive: the document is fed one segment at a time with the cache carried across (as generation and streaming
+evaluation do), with `output_attentions=True`; each point is one segment: the mass of compressed memory, memory
+and current segment, averaged over the segment's tokens and the layer's heads.
+
+Sinkhorn: one forward over the first `--max_tokens` tokens (at most max_position_embeddings) with
+`output_attentions=True`; one small heat map per layer (rows) and head (columns): row u, column j is the routing
+weight with which query bucket u attends key bucket j (1 for every choice of a model without
+`weight_routed_values`), its own bucket and local windows not shown; local heads have no routing.
+
+Writes the PNG and, with --json, the numbers.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 import longrange  # noqa: F401  registers the longrange model types with the Auto classes
 from longrange.tokenization import encode_bytes, is_byte_tokenizer
@@ -28,11 +36,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("model", help="saved Compressive model folder (save_pretrained) with its tokenizer")
+    p.add_argument("model", help="saved Compressive or Sinkhorn model folder (save_pretrained) with its tokenizer")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--text_file", help="a long text file to read")
     source.add_argument("--text", help="the text itself")
-    p.add_argument("--max_tokens", type=int, default=8192, help="read at most this many tokens (default 8192)")
+    p.add_argument(
+        "--max_tokens",
+        type=int,
+        default=8192,
+        help="read at most this many tokens (default 8192; Sinkhorn: at most max_position_embeddings)",
+    )
     p.add_argument("--out", default="attention.png", help="PNG to write")
     p.add_argument("--json", help="also write the per-segment figures here")
     p.add_argument("--trust_remote_code", action="store_true", help="run the modeling code saved with the model")
@@ -61,6 +74,76 @@ def attention_mass(model, ids: torch.Tensor) -> list[list[list[float]]]:
     return figures
 
 
+def sinkhorn_routing(model, ids: torch.Tensor) -> tuple[list, list[list[str]]]:
+    """[layers][heads] routing matrices [query buckets][key buckets] of the one row (SinkhornRouting.matrix; a
+    causal model's matrices get a first column: the routing weight its query buckets gave to null buckets) and
+    [layers][heads] panel labels ("sinkhorn", "shifted" or "local")."""
+    config = model.config
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
+    matrices, labels = [], []
+    for routing in out.routing:
+        matrix = routing.matrix()[0].float()  # [heads, query buckets, key buckets]
+        if config.causal:
+            null = routing.weights[0].float().masked_fill(routing.key_buckets[0] >= 0, 0.0).sum(-1, keepdim=True)
+            matrix = torch.cat([null, matrix], dim=-1)
+        matrices.append(matrix.tolist())
+        labels.append(
+            [
+                "local" if head < config.n_local_attn_heads else ("shifted" if offset else "sinkhorn")
+                for head, offset in enumerate(routing.offsets.tolist())
+            ]
+        )
+    return matrices, labels
+
+
+def plot_routing(matrices, labels, path: Path, title: str, null_column: bool) -> int:
+    """A grid of heat maps (layers x heads) of the routing matrices, own buckets outlined; returns the number of
+    panels drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.colors
+    import matplotlib.pyplot as plt
+
+    layers, heads = len(matrices), len(matrices[0])
+    top = max(max(max(row) for row in matrix) for layer in matrices for matrix in layer) or 1.0
+    norm = matplotlib.colors.PowerNorm(0.5, vmin=0.0, vmax=top)  # square-root scale: weak choices stay visible
+    fig, axes = plt.subplots(layers, heads, figsize=(2.3 * heads + 0.9, 2.3 * layers + 0.7), squeeze=False)
+    image = None
+    first = 1 if null_column else 0
+    for layer in range(layers):
+        for head in range(heads):
+            ax = axes[layer][head]
+            kind = labels[layer][head]
+            matrix = matrices[layer][head]
+            rows, cols = len(matrix), len(matrix[0])
+            image = ax.imshow(matrix, cmap="magma", norm=norm, interpolation="nearest", aspect="auto")
+            own = [(u + first, u) for u in range(min(rows, cols - first))]
+            ax.scatter(*zip(*own), marker="s", s=6, facecolors="none", edgecolors="#4c9be8", linewidths=0.5)
+            if null_column:
+                ax.axvline(0.5, color="white", linewidth=0.6)
+            ax.set_title(
+                f"layer {layer + 1} head {head + 1}" + ("" if kind == "sinkhorn" else f" ({kind})"), fontsize=8
+            )
+            ax.set_xticks([0] if null_column else [])
+            ax.set_xticklabels(["null"] if null_column else [], fontsize=6)
+            ax.set_yticks([])
+            if kind == "local":
+                ax.text(0.5, 0.5, "local window:\nno routing", ha="center", va="center", color="white", fontsize=7,
+                        transform=ax.transAxes)  # fmt: skip
+            if head == 0:
+                ax.set_ylabel("query bucket", fontsize=8)
+            if layer == layers - 1:
+                ax.set_xlabel("key bucket", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.92, 1))
+    fig.colorbar(image, cax=fig.add_axes((0.93, 0.15, 0.015, 0.7)), label="routing weight (square-root scale)")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return layers * heads
+
+
 def plot(figures, segment_length: int, path: Path, title: str) -> None:
     import matplotlib
 
@@ -86,22 +169,36 @@ def plot(figures, segment_length: int, path: Path, title: str) -> None:
 
 
 def main(argv=None) -> list:
+    """Compressive: returns [segments][layers][regions]; Sinkhorn: [layers][heads] routing matrices."""
     args = parse_args(argv)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
-    if model.config.model_type != "compressive":
-        sys.exit(f"visualize.py draws Compressive models; {args.model} is a {model.config.model_type!r} model")
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    if config.model_type not in ("compressive", "sinkhorn"):
+        sys.exit(f"visualize.py draws Compressive and Sinkhorn models; {args.model} is a {config.model_type!r} model")
+    auto = AutoModelForMaskedLM if config.model_type == "sinkhorn" and not config.causal else AutoModelForCausalLM
+    model = auto.from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     text = Path(args.text_file).read_text(encoding="utf-8", errors="replace") if args.text_file else args.text
     if is_byte_tokenizer(tokenizer):
         tokens = encode_bytes(tokenizer, text.encode("utf-8"))
     else:
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-    tokens = tokens[: args.max_tokens]
+    limit = (
+        args.max_tokens if config.model_type == "compressive" else min(args.max_tokens, config.max_position_embeddings)
+    )
+    tokens = tokens[:limit]
     if len(tokens) < 2:
         sys.exit("the text is too short: at least 2 tokens are needed")
-    figures = attention_mass(model, torch.tensor([tokens]))
     folder = Path(args.model)
     name = folder.parent.name if folder.name == "model" and folder.parent.name else folder.name or str(folder)
+    if config.model_type == "sinkhorn":
+        matrices, labels = sinkhorn_routing(model, torch.tensor([tokens]))
+        title = f"{name}: routing over {len(tokens)} tokens (buckets of {config.bucket_size})"
+        panels = plot_routing(matrices, labels, Path(args.out), title, null_column=config.causal)
+        print(f"wrote {args.out} ({len(matrices)} layers x {len(matrices[0])} heads = {panels} panels)")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"heads": labels, "null_column": config.causal, "routing": matrices}))
+        return matrices
+    figures = attention_mass(model, torch.tensor([tokens]))
     plot(figures, model.config.segment_length, Path(args.out), f"{name}: attention mass along {len(tokens)} tokens")
     print(f"wrote {args.out} ({len(figures)} segments, {len(figures[0])} layers)")
     if args.json:

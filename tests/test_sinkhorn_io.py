@@ -5,7 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, EncoderDecoderConfig, EncoderDecoderModel
 
@@ -120,14 +119,3 @@ def test_trust_remote_code_loads_from_a_fresh_folder_without_the_package(tmp_pat
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_output_attentions_is_refused_not_ignored(causal):
-    cls = SinkhornForCausalLM if causal else SinkhornForMaskedLM
-    config = SinkhornConfig(
-        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, bucket_size=4, causal=causal
-    )
-    model = cls(config).eval()
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(torch.tensor([[1, 2, 3, 4]]), output_attentions=True)

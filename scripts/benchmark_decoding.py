@@ -1,0 +1,344 @@
+"""Decoding speed, batch 1: longrange (eager and compiled) vs the reference packages vs transformers' Llama.
+
+    python scripts/benchmark_decoding.py                                # the issue's sizes, on CUDA when present
+    python scripts/benchmark_decoding.py --quick --device cpu --out /tmp/decoding.json   # tiny smoke run (CI)
+    python scripts/benchmark_decoding.py --rows 'sinkhorn/ours'         # a subset (regular expression on row ids)
+
+Rows (issue 10): hidden 512, 6 layers, 8 heads (the sizes of `benchmark_gpu.py`), a random prompt of 512, 1,024
+and 4,096 tokens, then `--new-tokens` greedy tokens:
+- compressive / sinkhorn `ours`: `generate()` with our cache, `eager` (`disable_compile=True`) and `compiled`
+  (on CUDA what `generate()` does by itself when the cache is compileable: transformers compiles the decoding
+  step, mode "reduce-overhead", i.e. CUDA graphs; elsewhere the same asked for through
+  `generation_config.compile_config`). A compiled row whose generate() did not compile anything records an error
+  instead of passing an eager figure off as compiled.
+- `reference`: compressive-transformer-pytorch 0.4.0 and sinkhorn-transformer 0.11.4, through their own
+  `generate` (neither has a cache: the Sinkhorn wrapper re-runs its whole window per token); `--ref-new-tokens`.
+- llama: transformers' `LlamaForCausalLM` (SDPA), `eager` with its dynamic cache, `compiled` with
+  `cache_implementation="static"` (transformers' fastest documented path).
+Precision: bf16 weights on CUDA (`model.to(torch.bfloat16)`), fp32 on the CPU.
+Per-token time: a streamer stamps every emitted token; a row's rate is 1 / the median gap between consecutive
+tokens after the first (the prompt's forward), measured on the second generate() call of the row (the first
+warms up and, for compiled rows, compiles: reported as `warmup_s`). `--out` gets the rows under the key
+"decoding" (other keys of an existing file, such as `benchmark_gpu.py`'s training rows, are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _sibling(name: str):
+    """A script of this folder as a module (loaded once), without putting scripts/ on sys.path (its evaluate.py
+    would shadow the `evaluate` library)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str  # compressive | sinkhorn | llama
+    side: str  # ours | reference | llama
+    mode: str  # eager | compiled
+    context: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}/{self.side}/{self.mode}/{self.context}"
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        return dict(
+            width=dict(hidden=64, layers=2, heads=4),
+            compressive=dict(segment=32, mem=32, c_mem=8, rate=4),
+            sinkhorn=dict(bucket=16),
+            contexts=[32, 64],
+            new_tokens=6,
+            ref_new_tokens=2,
+        )
+    return dict(
+        width=dict(hidden=512, layers=6, heads=8),
+        compressive=dict(segment=512, mem=512, c_mem=128, rate=4),
+        sinkhorn=dict(bucket=128),
+        contexts=[512, 1024, 4096],
+        new_tokens=64,
+        ref_new_tokens=4,
+    )
+
+
+def plan(size: dict) -> list[Row]:
+    """Ours first (compiled then eager), then Llama, then the references (slowest, least informative) last."""
+    rows = []
+    for family, side in (("compressive", "ours"), ("sinkhorn", "ours"), ("llama", "llama")):
+        rows += [Row(family, side, mode, n) for mode in ("compiled", "eager") for n in size["contexts"]]
+    rows += [Row(family, "reference", "eager", n) for family in ("compressive", "sinkhorn") for n in size["contexts"]]
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# models
+
+
+def build(row: Row, size: dict):
+    """The row's model (eval mode, on the CPU, fp32) and the longest sequence it will see."""
+    width, longest = size["width"], max(size["contexts"]) + size["new_tokens"] + 1
+    torch.manual_seed(0)
+    if row.family == "compressive":
+        c = size["compressive"]
+        args = argparse.Namespace(
+            hidden=width["hidden"], layers=width["layers"], heads=width["heads"], segment=c["segment"],
+            mem=c["mem"], c_mem=c["c_mem"], rate=c["rate"], reference_gru=False,
+        )  # fmt: skip
+        ours, reference = _sibling("benchmark_compressive").build(args, sides=(row.side,))
+        return (ours or reference).eval()
+    if row.family == "sinkhorn":
+        opts = dict(
+            num_tokens=256, dim=width["hidden"], depth=width["layers"], heads=width["heads"],
+            bucket_size=size["sinkhorn"]["bucket"], causal=True, **_sibling("benchmark_sinkhorn").COMMON,
+        )  # fmt: skip
+        bucket = opts["bucket_size"]
+        if row.side == "reference":
+            from sinkhorn_transformer import SinkhornTransformerLM
+            from sinkhorn_transformer.autoregressive_wrapper import AutoregressiveWrapper
+
+            # its window: the prompt plus the new tokens, rounded up to whole buckets (its Autopadder pads)
+            window = -(-(row.context + size["ref_new_tokens"]) // bucket) * bucket
+            return AutoregressiveWrapper(SinkhornTransformerLM(max_seq_len=window, **opts)).eval()
+        from longrange import SinkhornConfig, SinkhornForCausalLM
+
+        return SinkhornForCausalLM(SinkhornConfig(max_seq_len=-(-longest // bucket) * bucket, **opts)).eval()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama_intermediate = _sibling("benchmark_gpu").llama_intermediate
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=width["hidden"], num_hidden_layers=width["layers"],
+        num_attention_heads=width["heads"], num_key_value_heads=width["heads"],
+        intermediate_size=llama_intermediate(width["hidden"]), max_position_embeddings=longest,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# measuring
+
+
+class Stamps:
+    """A generate() streamer recording the time of every put(): first the prompt, then each new token."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def generate_kwargs(row: Row, device: torch.device, backend: str) -> dict:
+    from transformers import CompileConfig
+
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
+    if row.mode == "eager":
+        return {**kwargs, "disable_compile": True}
+    if row.side == "llama":
+        kwargs["cache_implementation"] = "static"
+    if device.type != "cuda" or backend != "inductor":
+        # what generate() does by itself on CUDA, asked for explicitly (other devices, other backends)
+        config = CompileConfig(backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
+        config._compile_all_devices = True
+        kwargs["compile_config"] = config
+    return kwargs
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["stats"].values()) if "stats" in counters else 0
+
+
+def measure(row: Row, size: dict, device: torch.device, backend: str) -> dict:
+    model = build(row, size)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model.to(device=device, dtype=dtype)
+    result = {"parameters": sum(p.numel() for p in model.parameters()), "dtype": str(dtype).replace("torch.", "")}
+    prompt = torch.randint(0, 256, (1, row.context), generator=torch.Generator().manual_seed(1)).to(device)
+    if row.side == "reference":
+        count = size["ref_new_tokens"]
+        with torch.no_grad():
+            model.generate(prompt, 1)  # warm-up
+            sync(device)
+            start = time.perf_counter()
+            model.generate(prompt, count)
+            sync(device)
+        elapsed = time.perf_counter() - start
+        return {**result, "new_tokens": count, "total_s": elapsed, "tokens_per_s": count / elapsed}
+    count = size["new_tokens"]
+    kwargs = generate_kwargs(row, device, backend)
+    before = compiled_graphs()
+    start = time.perf_counter()
+    model.generate(prompt, max_new_tokens=count, min_new_tokens=count, **kwargs)
+    sync(device)
+    result["warmup_s"] = time.perf_counter() - start
+    if row.mode == "compiled" and compiled_graphs() == before:
+        raise RuntimeError("generate() compiled nothing: the model's cache is not compileable")
+    stamps = Stamps()
+    start = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=count, min_new_tokens=count, streamer=stamps, **kwargs)
+    sync(device)
+    total = time.perf_counter() - start
+    if out.shape[1] != row.context + count:
+        raise RuntimeError(f"generated {out.shape[1] - row.context} tokens, asked for {count}")
+    gaps = [b - a for a, b in zip(stamps.stamps[1:], stamps.stamps[2:])]
+    median = statistics.median(gaps)
+    return {
+        **result,
+        "new_tokens": count,
+        "prefill_s": stamps.stamps[1] - start,
+        "per_token_s": gaps,
+        "median_token_s": median,
+        "tokens_per_s": 1 / median,
+        "end_to_end_tokens_per_s": count / total,
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def summarise(results: dict[str, dict], size: dict) -> dict:
+    """Ours / Llama-compiled and ours / reference at each context, and per-token time at the longest context over
+    the shortest (issue 10: within 1.2x), from each of our rows."""
+    rate = {key: r.get("tokens_per_s") for key, r in results.items()}
+    out = {}
+    short, long = min(size["contexts"]), max(size["contexts"])
+    for key, r in results.items():
+        row = Row(**r["row"])
+        if row.side != "ours":
+            continue
+        mine = rate.get(key)
+        llama = rate.get(f"llama/llama/compiled/{row.context}")
+        reference = rate.get(f"{row.family}/reference/eager/{row.context}")
+        entry = {
+            "vs_llama_static_compiled": mine / llama if mine and llama else None,
+            "vs_reference": mine / reference if mine and reference else None,
+        }
+        if row.context == long:
+            first = rate.get(f"{row.family}/ours/{row.mode}/{short}")
+            entry[f"time_per_token_{long}_over_{short}"] = first / mine if mine and first else None
+        out[key] = entry
+    return out
+
+
+def table(results: dict[str, dict], compared: dict[str, dict]) -> str:
+    lines = [
+        "| row | tokens/s | warm-up s | ours / Llama static compiled | ours / reference | note |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+
+    def fmt(value, spec):
+        return "" if value is None else format(value, spec)
+
+    for key, r in results.items():
+        c = compared.get(key, {})
+        note = (r.get("error") or "").replace("|", "/")
+        lines.append(
+            f"| {key} | {fmt(r.get('tokens_per_s'), ',.1f')} | {fmt(r.get('warmup_s'), '.1f')} | "
+            f"{fmt(c.get('vs_llama_static_compiled'), '.2f')} | {fmt(c.get('vs_reference'), '.2f')} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, contexts 32 and 64 (a CPU smoke run)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON to write or update under the key 'decoding' "
+                        "(default docs/benchmarks/gpu.json; none with --quick)")  # fmt: skip
+    parser.add_argument("--rows", default=None, help="regular expression: run only the rows whose id it matches")
+    parser.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per generate() (default 64)")
+    parser.add_argument("--compile-backend", default=None, help="torch.compile backend for the compiled rows "
+                        "(default inductor; with --quick on the CPU aot_eager, which skips C++ code generation)")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=240.0, help="seconds after which no row starts")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend = args.compile_backend or ("aot_eager" if args.quick and device.type == "cpu" else "inductor")
+    size = sizes(args.quick)
+    if args.new_tokens:
+        size["new_tokens"] = args.new_tokens
+    out = args.out if args.out is not None or args.quick else REPO / "docs" / "benchmarks" / "gpu.json"
+    rows = [r for r in plan(size) if not args.rows or re.search(args.rows, r.id)]
+
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+
+    def write(final: bool) -> dict:
+        compared = summarise(results, size)
+        section = {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "settings": {"quick": args.quick, "backend": backend, "budget": args.budget, "threads": args.threads},
+            "sizes": size,
+            "complete": final,
+            "elapsed_s": time.perf_counter() - started,
+            "rows": results,
+            "ratios": compared,
+        }
+        if out:
+            payload = json.loads(out.read_text()) if out.exists() else {}
+            payload["decoding"] = section
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(payload, indent=1) + "\n")
+        return section
+
+    print(f"{device} | {len(rows)} rows, budget {args.budget:.0f} s", file=sys.stderr, flush=True)
+    for row in rows:
+        entry: dict = {"row": asdict(row)}
+        if time.perf_counter() - started >= args.budget:
+            entry["error"] = f"skipped: time budget of {args.budget:.0f} s spent"
+        else:
+            t0 = time.perf_counter()
+            try:
+                entry.update(measure(row, size, device, backend))
+            except Exception as exc:  # noqa: BLE001 - a row's failure is a result, recorded in the row
+                first = next((line for line in str(exc).splitlines() if line.strip()), "")
+                entry["error"] = f"error: {type(exc).__name__}: {first[:300]}"
+            entry["row_s"] = time.perf_counter() - t0
+            torch._dynamo.reset()
+        results[row.id] = entry
+        status = entry.get("error") or f"{entry['tokens_per_s']:,.1f} tokens/s"
+        print(f"[{time.perf_counter() - started:5.0f} s] {row.id}: {status}", file=sys.stderr, flush=True)
+        write(final=False)
+    section = write(final=True)
+    print(table(results, section["ratios"]))
+    return section
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""scripts/benchmark_decoding.py keeps running and reporting on the CPU (no timing assertions: figures are noisy)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "benchmark_decoding.py"
+
+
+@pytest.fixture
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmark_decoding", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmark_decoding"] = module  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rows_are_measured_and_added_to_an_existing_json(bench, tmp_path, monkeypatch):
+    out = tmp_path / "gpu.json"
+    out.write_text(json.dumps({"rows": {"training": 1}}))
+    real_measure = bench.measure
+
+    def measure(row, *args):
+        if row.context == 64:
+            raise RuntimeError("out of memory\nsecond line")
+        return real_measure(row, *args)
+
+    monkeypatch.setattr(bench, "measure", measure)
+    bench.main(["--quick", "--device", "cpu", "--rows", "(sinkhorn/ours|llama/llama)/eager", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["rows"] == {"training": 1}  # the training benchmark's rows are kept
+    rows = written["decoding"]["rows"]
+    assert set(rows) == {f"{f}/eager/{n}" for f in ("sinkhorn/ours", "llama/llama") for n in (32, 64)}
+    measured = rows["sinkhorn/ours/eager/32"]
+    assert measured["new_tokens"] == 6 and len(measured["per_token_s"]) == 5 and measured["tokens_per_s"] > 0
+    assert rows["llama/llama/eager/64"]["error"] == "error: RuntimeError: out of memory"
+    assert written["decoding"]["complete"]
+
+
+def test_ratios_and_context_scaling(bench):
+    def entry(family, side, mode, context, rate):
+        row = bench.Row(family, side, mode, context)
+        return row.id, {"row": row.__dict__, "tokens_per_s": rate}
+
+    size = {"contexts": [512, 4096]}
+    results = dict(
+        [
+            entry("sinkhorn", "ours", "compiled", 512, 1200.0),
+            entry("sinkhorn", "ours", "compiled", 4096, 1000.0),
+            entry("llama", "llama", "compiled", 512, 800.0),
+            entry("sinkhorn", "reference", "eager", 4096, 50.0),
+        ]
+    )
+    compared = bench.summarise(results, size)
+    assert compared["sinkhorn/ours/compiled/512"] == {"vs_llama_static_compiled": 1.5, "vs_reference": None}
+    long = compared["sinkhorn/ours/compiled/4096"]
+    assert long["vs_reference"] == 20.0 and long["vs_llama_static_compiled"] is None
+    assert long["time_per_token_4096_over_512"] == pytest.approx(1.2)
+
+
+def test_a_compiled_row_that_compiles_nothing_is_an_error_not_an_eager_figure(bench, monkeypatch):
+    monkeypatch.setattr(bench, "compiled_graphs", lambda: 0)
+    size = bench.sizes(quick=True)
+    with pytest.raises(RuntimeError, match="compiled nothing"):
+        bench.measure(bench.Row("llama", "llama", "compiled", 32), size, bench.torch.device("cpu"), "aot_eager")
