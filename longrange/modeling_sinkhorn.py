@@ -1605,7 +1605,8 @@ class SinkhornRouting(ModelOutput):
 
     key_buckets: [batch, heads, query buckets, picks] long: the key buckets each query bucket attends besides its
         own (causal: strictly earlier buckets), as indices in the head's own bucket grid (bucket u of head h covers
-        tokens u * bucket_size - offsets[h] onwards); -1 where a pick is a null bucket (causal models), is masked
+        tokens u * bucket_size - offsets[h] onwards, counting each row's real tokens only: a padded row's buckets
+        start at its first real token); -1 where a pick is a null bucket (causal models), is masked
         out (SortCut's shared pick of a bucket's own bucket) or does not exist (local heads; the ordinary causal
         heads' last row when shifted heads have one bucket more).
     weights: [batch, heads, query buckets, picks] float: the factor the pick's values are multiplied by (its

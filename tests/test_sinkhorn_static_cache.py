@@ -185,6 +185,25 @@ def test_crop_restores_the_state_of_a_cache_built_from_the_first_tokens(variant)
             torch.testing.assert_close(after_crop[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_crop_restores_cross_attention_routing():
+    model = causal_lm(seed=13, receives_context=True, context_bucket_size=3, n_top_buckets=2)
+    context = torch.randn(2, 10, TINY["hidden_size"])
+    context_mask = torch.ones(2, 10, dtype=torch.long)
+    context_mask[0, 7:] = 0
+    ids, mask = left_pad(prompts_of([12, 5], seed=14))
+    ctx = dict(encoder_hidden_states=context, encoder_attention_mask=context_mask)
+    nxt = torch.randint(1, 40, (2, 1))
+    with torch.no_grad():
+        cache = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True, **ctx).cache
+        for t in range(6, 12):
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True)
+        cache.crop(7)
+        step_mask = torch.cat([mask[:, :7], torch.ones(2, 1, dtype=torch.long)], dim=1)
+        after_crop = model(nxt, attention_mask=step_mask, cache=cache, use_cache=True).logits[:, -1]
+        full = model(torch.cat([ids[:, :7], nxt], 1), attention_mask=step_mask, use_cache=False, **ctx).logits
+    torch.testing.assert_close(after_crop, full[:, -1], rtol=1e-5, atol=1e-5)
+
+
 def test_assisted_and_prompt_lookup_generate_equal_greedy_decoding():
     model = causal_lm(seed=11, **{**VARIANTS["local+shifted"], "hidden_size": 32, "num_hidden_layers": 3})
     assistant = causal_lm(seed=12, **VARIANTS["paired"])
