@@ -40,20 +40,30 @@ from .product_key_memory import ProductKeyMemory
 
 
 class CompressiveMemoryLayer:
-    """One layer's memories. Every tensor is detached; batch is always dimension 0.
+    """One layer's memories, in one of two forms. Every tensor is detached; batch is always dimension 0.
 
-    c_mem [batch, c_len, hidden], mem [batch, m_len, hidden], pending [batch, p_len, hidden]: compressed memory,
-    memory and the layer inputs of the current unfinished segment, all un-normalised layer inputs. `*_valid`
-    [batch, len] bool marks slots that hold a real (non-padding) token. `mem_usage` / `pending_usage` [batch, len]
-    accumulate the attention each slot received (only for the "most_used" compression).
+    Compact form (multi-token forwards, training): c_mem [batch, c_len, hidden], mem [batch, m_len, hidden],
+    pending [batch, p_len, hidden]: compressed memory, memory and the layer inputs of the current unfinished
+    segment, all un-normalised layer inputs, the same lengths for every row. `*_valid` [batch, len] bool marks
+    slots that hold a real (non-padding) token. `mem_usage` / `pending_usage` [batch, len] accumulate the attention
+    each slot received (only for the "most_used" compression).
     `keys` / `values` [batch, heads, capacity, d_head] are buffers whose first `projected_len` entries hold the
-    projected keys/values of [c_mem, mem, pending] (capacity = c_mem_len + mem_len + segment_length, so a decoding
-    step writes its key in place instead of copying the whole memory), and `rel_table` [heads, d_head, capacity]
-    the projected relative encodings of distances capacity-1 ... 0. Both are kept only by inference (no-grad)
-    forwards, so that decoding a token never re-projects the memory.
+    projected keys/values of [c_mem, mem, pending] (capacity = c_mem_len + mem_len + segment_length, so a chunk
+    writes its keys in place instead of copying the whole memory), kept only by inference (no-grad) forwards.
+
+    Static form (one-token decoding; see StaticLayout): fixed-size buffers, each row at its own fill. `ring`
+    [batch, slots, hidden] holds the compressed-memory ring then the token ring, `ring_keys` / `ring_values`
+    [batch, heads, slots, d_head] their projections, `ring_real` [batch, slots] whether a slot holds a real token
+    (or a compressed slot with a real source), `ring_usage` [batch, slots] the attention received ("most_used").
+    `grouped*` [batch, groups, ...]: each group of `compression_rate` tokens compressed (and projected) as soon as
+    it is complete, so that an eviction only moves entries; `leading*` the same group compressed as the first of
+    an eviction block (the dilated convolution reads the group before it otherwise).
+
+    `rel_table` [heads, d_head, capacity]: the projected relative encodings of distances capacity-1 ... 0, kept by
+    inference forwards in both forms.
     """
 
-    is_compileable = False
+    is_compileable = True
     is_sliding = False
     is_croppable = False
     supports_early_init = False
@@ -70,15 +80,39 @@ class CompressiveMemoryLayer:
         "keys",
         "values",
     )
+    _STATIC = (
+        "ring",
+        "ring_keys",
+        "ring_values",
+        "ring_real",
+        "ring_usage",
+        "grouped",
+        "grouped_keys",
+        "grouped_values",
+        "grouped_valid",
+        "leading",
+        "leading_keys",
+        "leading_values",
+        "leading_valid",
+    )
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        for name in self._BATCHED:
+        for name in self._BATCHED + self._STATIC:
             setattr(self, name, None)
         self.rel_table = None
         self.projected_len = 0
+
+    def clear_compact(self) -> None:
+        for name in self._BATCHED:
+            setattr(self, name, None)
+        self.projected_len = 0
+
+    def clear_static(self) -> None:
+        for name in self._STATIC:
+            setattr(self, name, None)
 
     def drop_projections(self) -> None:
         self.keys = self.values = self.rel_table = None
@@ -98,14 +132,15 @@ class CompressiveMemoryLayer:
 
     @property
     def is_empty(self) -> bool:
-        return self.mem is None
+        return self.mem is None and self.ring is None
 
     @property
     def batch_size(self) -> int:
-        return -1 if self.mem is None else self.mem.shape[0]
+        held = self.mem if self.mem is not None else self.ring
+        return -1 if held is None else held.shape[0]
 
     def lengths(self) -> tuple[int, int, int]:
-        """(c_len, m_len, p_len)."""
+        """(c_len, m_len, p_len) of the compact form."""
         return self.c_mem.shape[1], self.mem.shape[1], self.pending.shape[1]
 
     def context(self) -> torch.Tensor:
@@ -126,55 +161,179 @@ class CompressiveMemoryLayer:
             self.pending_usage = self.mem_usage
 
     def apply_to_batch(self, fn) -> None:
-        for name in self._BATCHED:
+        for name in self._BATCHED + self._STATIC:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, fn(value))
 
 
+@dataclass(frozen=True)
+class StaticLayout:
+    """Sizes of the static (decoding) form of the cache, from the config.
+
+    Per row and layer, the buffers hold `c_ring` compressed slots then `ring` token slots. Tokens are numbered per
+    row, counting only tokens the row really has (padding never enters): token a lives in slot
+    c_ring + a % ring, compressed entry e (the e-th produced) in slot e % c_ring. A row's counters say which are
+    held: tokens [start, seen) (memory, then the `pending` tokens of its unfinished segment) and compressed
+    entries [compressed - c_mem_len, compressed). The relative distance of a query token q to token a is q - a, to
+    compressed entry e (q - start) + (compressed - e): exactly its distance in the compact layout
+    [c_mem, mem, pending]. Groups of `compression_rate` tokens (token a in group a // rate) are compressed when
+    complete into group slot (a // rate) % groups; `start` is always a multiple of the rate, so an eviction block
+    is whole groups.
+    """
+
+    c_mem_len: int
+    mem_len: int
+    segment_length: int
+    rate: int
+
+    @property
+    def max_new_entries(self) -> int:
+        # an eviction takes at most ceil(segment_length / rate) * rate tokens (the memory never exceeds mem_len)
+        return -(-self.segment_length // self.rate)
+
+    @property
+    def c_ring(self) -> int:
+        return max(self.c_mem_len, self.max_new_entries)  # one eviction's entries land in distinct slots
+
+    @property
+    def ring(self) -> int:
+        return self.mem_len + self.segment_length  # a full memory, an unfinished segment and the new token
+
+    @property
+    def slots(self) -> int:
+        return self.c_ring + self.ring
+
+    @property
+    def groups(self) -> int:
+        return self.ring // self.rate + 2  # every group from `start` to the newest token, with room to spare
+
+
+def _slot_dim(buffer: torch.Tensor) -> int:
+    # static buffers: [batch, slots], [batch, slots, hidden] or [batch, heads, slots, d_head]
+    return 2 if buffer.dim() == 4 else 1
+
+
+def _slot_index(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    # index [batch, n] over the slots of `buffer`, expanded to gather/scatter whole slots
+    if buffer.dim() == 4:
+        return index[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
+    if buffer.dim() == 3:
+        return index[..., None].expand(-1, -1, buffer.shape[2])
+    return index
+
+
+def _gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return buffer.gather(_slot_dim(buffer), _slot_index(buffer, index))
+
+
+def _write_slots(buffer: torch.Tensor, index: torch.Tensor, take: torch.Tensor, values: torch.Tensor) -> None:
+    """buffer's slots `index` [batch, n] (distinct per row) <- values where take [batch, n], unchanged elsewhere."""
+    full_index = _slot_index(buffer, index)
+    dim = _slot_dim(buffer)
+    take = take.view(*take.shape[:1], *([1] * (dim - 1)), take.shape[1], *([1] * (buffer.dim() - dim - 1)))
+    buffer.scatter_(dim, full_index, torch.where(take, values, buffer.gather(dim, full_index)))
+
+
 class CompressiveMemoryCache(Cache):
     """Memories and compressed memories of every layer, plus the number of tokens seen.
 
-    Its size is bounded by `mem_len + c_mem_len + segment_length` slots per layer, however long the sequence.
-    Returned in the model output's `cache` field; pass it back as `cache=` (or `past_key_values=`) to continue.
+    Its size is bounded by `mem_len + c_mem_len + segment_length` slots per layer (plus fixed-size ring slack in
+    the static form), however long the sequence. Returned in the model output's `cache` field; pass it back as
+    `cache=` (or `past_key_values=`) to continue.
+
+    Multi-token forwards keep it in the compact form (every row at the same fill); one-token decoding steps in the
+    static form, whose shapes never change and whose per-row counters `rows_seen`, `rows_start`, `rows_pending`,
+    `rows_compressed` [batch] (long tensors; see StaticLayout) are updated in place, so a decoding step compiles
+    to one graph that reads nothing back to the host. The model converts between the forms as needed.
     """
+
+    _ROWS = ("rows_seen", "rows_start", "rows_pending", "rows_compressed")
 
     def __init__(self, num_hidden_layers: int):
         super().__init__(layers=[CompressiveMemoryLayer() for _ in range(num_hidden_layers)])
         self.seen_tokens = 0
+        self._layout = None  # StaticLayout, set by the model when it first builds the static form
+        for name in self._ROWS:
+            setattr(self, name, None)
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        return True
+
+    @property
+    def is_static(self) -> bool:
+        return self.rows_seen is not None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen so far (not the number of slots held, which stays bounded)."""
+        """Tokens seen so far, padding included (not the number of slots held, which stays bounded)."""
         return self.seen_tokens
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
+    def row_lengths(self) -> list[tuple[int, int, int]]:
+        """Static form: (c_len, m_len, p_len) of every row, read back to the host."""
+        c_len = self.rows_compressed.clamp_max(self._layout.c_mem_len)
+        m_len = self.rows_seen - self.rows_start - self.rows_pending
+        return [tuple(row) for row in torch.stack([c_len, m_len, self.rows_pending], dim=1).tolist()]
+
     def memory_slots(self) -> int:
-        """Slots held by one layer (compressed + memory + pending); bounded whatever the number of tokens seen."""
+        """Slots held by one layer (compressed + memory + pending, the fullest row); bounded whatever the number of
+        tokens seen."""
         layer = self.layers[0]
-        return 0 if layer.is_empty else sum(layer.lengths())
+        if layer.is_empty:
+            return 0
+        if self.is_static:
+            return max(sum(row) for row in self.row_lengths())
+        return sum(layer.lengths())
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        for name in self._ROWS:
+            setattr(self, name, None)
         self.seen_tokens = 0
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def _apply_to_batch(self, fn) -> None:
         for layer in self.layers:
-            layer.apply_to_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+            layer.apply_to_batch(fn)
+        for name in self._ROWS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply_to_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        for layer in self.layers:
-            layer.apply_to_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._apply_to_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.apply_to_batch(lambda t: t[indices])
+        self._apply_to_batch(lambda t: t[indices])
+
+    def select_row(self, row: int) -> CompressiveMemoryCache:
+        """Static form: a new cache holding row `row` alone (copies)."""
+        sub = CompressiveMemoryCache(len(self.layers))
+        sub._layout = self._layout
+        for layer, sub_layer in zip(self.layers, sub.layers):
+            for name in CompressiveMemoryLayer._STATIC:
+                value = getattr(layer, name)
+                setattr(sub_layer, name, None if value is None else value[row : row + 1].clone())
+            sub_layer.rel_table = layer.rel_table
+        for name in self._ROWS:
+            setattr(sub, name, getattr(self, name)[row : row + 1].clone())
+        return sub
+
+    def put_row(self, row: int, sub: CompressiveMemoryCache) -> None:
+        """Static form: writes the one-row static cache `sub` back into row `row`."""
+        for layer, sub_layer in zip(self.layers, sub.layers):
+            for name in CompressiveMemoryLayer._STATIC:
+                value = getattr(layer, name)
+                if value is not None:
+                    value[row : row + 1] = getattr(sub_layer, name)
+        for name in self._ROWS:
+            getattr(self, name)[row : row + 1] = getattr(sub, name)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("CompressiveMemoryCache cannot be cropped: evicted memories are compressed")
@@ -267,11 +426,24 @@ class MostUsedCompression(nn.Module):
         self.rate = rate
 
     def forward(self, memories, valid, usage):
-        keep = memories.shape[1] // self.rate
-        score = usage.float().masked_fill(~valid, float("-inf"))
-        chosen = score.topk(keep, dim=1).indices.sort(dim=1).values  # [batch, n / c]
+        chosen, chosen_valid = self.select(valid, usage)
         compressed = memories.gather(1, chosen[..., None].expand(-1, -1, memories.shape[-1]))
-        return compressed, valid.gather(1, chosen)
+        return compressed, chosen_valid
+
+    def select(self, valid, usage, keep=None):
+        """[batch, n] validity and usage -> the chosen slots [batch, n / c] in temporal order and their validity.
+        `keep` [batch] (static decoding, where each row evicts its own number of memories from a fixed window):
+        only the first keep[b] chosen slots of row b count (the top keep[b] of its valid slots, in temporal order;
+        the rest are marked invalid)."""
+        slots = valid.shape[1] // self.rate
+        score = usage.float().masked_fill(~valid, float("-inf"))
+        ranked = score.topk(slots, dim=1).indices  # [batch, n / c], best first
+        if keep is None:
+            chosen = ranked.sort(dim=1).values
+            return chosen, valid.gather(1, chosen)
+        kept = torch.arange(slots, device=valid.device) < keep[:, None]
+        chosen = ranked.masked_fill(~kept, valid.shape[1]).sort(dim=1).values.clamp_max(valid.shape[1] - 1)
+        return chosen, valid.gather(1, chosen) & kept
 
 
 COMPRESSION_CLASSES = {
@@ -361,9 +533,13 @@ class CompressiveAttention(nn.Module):
         relative: torch.Tensor,
         mask: torch.Tensor,
         need_weights: bool = False,
+        key_columns: torch.Tensor | None = None,
     ):
         """query_input [batch, q, hidden] (normalised segment inputs); keys/values [batch, heads, K, d_head] over
-        [c_mem, mem, pending, segment]; relative [heads, d_head, K] for distances K-1 ... 0; mask [batch, 1, q, K]."""
+        [c_mem, mem, pending, segment]; relative [heads, d_head, K] for distances K-1 ... 0; mask [batch, 1, q, K].
+        With `key_columns` [batch, K] (one query per row, keys in any order: the static decoding cache), key j's
+        position term is read from column key_columns[:, j] of `relative` (which then covers every distance)
+        instead of the compact layout's shift."""
         batch, q_len, hidden = query_input.shape
         query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
         kernel = self.kernel(query_input.device, need_weights)
@@ -384,7 +560,12 @@ class CompressiveAttention(nn.Module):
         # position scores: (q + v) . r for every distance, then shifted to (query, key) pairs, passed to the kernel
         # as an additive bias (which receives its gradient); the scale is folded into the small query
         position_query = (query + self.position_bias[:, None]) * self.scale
-        position = relative_shift(torch.matmul(position_query, relative))  # [batch, heads, q, K]
+        position = torch.matmul(position_query, relative)  # [batch, heads, q, distances]
+        if key_columns is None:
+            position = relative_shift(position)  # [batch, heads, q, K]
+        else:
+            columns = key_columns[:, None, None, :].expand(batch, self.num_heads, q_len, -1)
+            position = position.gather(-1, columns)
         result = attend(
             query + self.content_bias[:, None],
             keys,
@@ -491,6 +672,8 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         memory_tail_kv: torch.Tensor | None = None,
+        write_index: torch.Tensor | None = None,
+        key_columns: torch.Tensor | None = None,
     ):
         """hidden_states [batch, q, hidden]: this chunk's layer inputs; relative [heads, d_head, K]: projected
         encodings of distances K-1 ... 0 (positional, like hidden_states: it carries gradient to r_proj). Either
@@ -499,7 +682,10 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         [batch, heads, capacity, d_head] holding M = `memory_length` projected entries; the chunk's keys/values
         are written into them in place. Memories are passed under these names, never `cache`, so gradient
         checkpointing keeps them. `memory_tail_kv` [batch, F, 2 * hidden]: the key/value projection of the last F
-        memories when this forward already computed it (they are the previous chunk's inputs).
+        memories when this forward already computed it (they are the previous chunk's inputs). Static decoding
+        (one token per row): `write_index` [batch] is the slot of each row's token in the buffers, which are
+        attended whole, and `key_columns` [batch, capacity] each slot's column of `relative` (see
+        CompressiveAttention.forward).
         Returns (output [batch, q, hidden], the chunk's queries [batch, heads, q, d_head], keys and values
         [batch, heads, M + q, d_head] of everything attended, attention probabilities or None); the reconstruction
         loss reuses the queries and keys/values (detached) instead of projecting them again."""
@@ -511,12 +697,19 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
             memory_keys, memory_values = self.project_memory(memory, memory_tail_kv)
             keys = torch.cat([memory_keys, new_keys], dim=2)
             values = torch.cat([memory_values, new_values], dim=2)
+        elif write_index is not None:
+            index = write_index[:, None, None, None].expand(-1, new_keys.shape[1], 1, new_keys.shape[3])
+            memory_keys.scatter_(2, index, new_keys)
+            memory_values.scatter_(2, index, new_values)
+            keys, values = memory_keys, memory_values
         else:
             end = memory_length + new_keys.shape[2]
             memory_keys[:, :, memory_length:end] = new_keys
             memory_values[:, :, memory_length:end] = new_values
             keys, values = memory_keys[:, :, :end], memory_values[:, :, :end]
-        attn_out, weights, query = self.attention(query_input, keys, values, relative, attention_mask, need_weights)
+        attn_out, weights, query = self.attention(
+            query_input, keys, values, relative, attention_mask, need_weights, key_columns
+        )
         hidden_states = self.attn_output_norm(hidden_states + self.dropout(attn_out))
         ff_out = self.feed_forward(self.ff_input_norm(hidden_states))
         hidden_states = self.ff_output_norm(hidden_states + self.dropout(ff_out))
@@ -636,6 +829,7 @@ class CompressivePreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["CompressiveDecoderLayer"]
     _supports_sdpa = True
+    _can_compile_fullgraph = True
     _is_stateful = True
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -667,6 +861,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         self.track_usage = config.compression_function == "most_used"
         # most key slots any chunk can see: a full compressed memory, a full memory and a whole segment
         self._capacity = config.c_mem_len + config.mem_len + config.segment_length
+        self._layout = StaticLayout(config.c_mem_len, config.mem_len, config.segment_length, config.compression_rate)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -705,11 +900,132 @@ class CompressiveModel(CompressivePreTrainedModel):
             cache = CompressiveMemoryCache(config.num_hidden_layers)
         elif not cache.layers[0].is_empty and cache.layers[0].batch_size != batch:
             raise ValueError(f"cache holds batch size {cache.layers[0].batch_size}, inputs have batch size {batch}")
+        valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
+
+        if seq_len == 1 and not torch.is_grad_enabled() and not output_attentions:
+            # decoding: the static form, each row at its own fill, fixed shapes, nothing read back to the host
+            if not cache.is_static:
+                self._to_static(cache, hidden_states)
+            outputs, layer_outputs = self._decode_step(hidden_states, valid[:, 0], cache, output_hidden_states)
+            layer_attentions, reconstruction_losses = None, []
+        else:
+            outputs, layer_outputs, layer_attentions, reconstruction_losses = self._forward_tokens(
+                hidden_states,
+                valid,
+                cache,
+                attention_mask is not None,
+                use_cache,
+                output_hidden_states,
+                output_attentions,
+            )
+        cache.seen_tokens += seq_len
+
+        all_hidden = None
+        final = self.norm(outputs)
+        if output_hidden_states:
+            all_hidden = (hidden_states, *layer_outputs[:-1], final)
+        reconstruction_loss = torch.stack(reconstruction_losses).mean() if reconstruction_losses else None
+        if reconstruction_loss is None and self.training and torch.is_grad_enabled():
+            if config.reconstruction_loss != "none":
+                # no memory was evicted in this call: an exact zero that still touches every f_c (and decoder)
+                # parameter, so data-parallel training sees the same parameters used on every step
+                params = [p for layer in self.layers for p in self._compression_parameters(layer)]
+                reconstruction_loss = torch.stack([p.sum() for p in params]).sum() * 0.0
+        result = CompressiveModelOutput(
+            last_hidden_state=final,
+            cache=cache if use_cache else None,
+            hidden_states=all_hidden,
+            attentions=tuple(layer_attentions) if output_attentions else None,
+            reconstruction_loss=reconstruction_loss,
+        )
+        return result if return_dict else result.to_tuple()
+
+    def _forward_tokens(self, hidden_states, valid, cache, masked, use_cache, output_hidden_states, output_attentions):
+        """Any number of tokens through the compact form. Each row's real tokens are moved to the front first (a
+        stable sort of the mask, undone on the outputs), so segments and memory slots count real tokens only:
+        a row's outputs do not depend on its padding. Trailing padding left by a shorter row would still enter
+        that row's memory, so when the cache is kept and rows hold different numbers of real tokens (or the
+        cache's rows are at different fills), the rows run one at a time (`_forward_rows`)."""
+        split = False
+        if cache.is_static:
+            lengths = cache.row_lengths()  # multi-token calls may read the fills back; decoding steps never do
+            split = any(row != lengths[0] for row in lengths)
+        counts = None
+        if masked and (use_cache or split):
+            counts = valid.sum(dim=1).tolist()
+            split = split or any(count != counts[0] for count in counts)
+        if split:
+            return self._forward_rows(hidden_states, valid, cache, output_hidden_states, output_attentions)
+        if cache.is_static:
+            self._to_compact(cache)
         if cache.layers[0].is_empty:
             for layer_state in cache.layers:
                 layer_state.init_empty(hidden_states.detach(), self.track_usage)
-        valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
+        if not masked:
+            return self._run_segments(hidden_states, valid, cache, output_hidden_states, output_attentions)
 
+        batch, seq_len, hidden = hidden_states.shape
+        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices  # real tokens first, in order
+        kept = seq_len if counts is None else counts[0]  # a kept cache takes no all-padding columns
+        order = order[:, :kept]
+        rolled = hidden_states.gather(1, order[..., None].expand(-1, -1, hidden))
+        outputs, layer_outputs, layer_attentions, losses = self._run_segments(
+            rolled, valid.gather(1, order), cache, output_hidden_states, output_attentions
+        )
+
+        def unroll(tensor, dim):
+            shape = list(tensor.shape)
+            shape[dim] = seq_len
+            index = order.view(batch, *([1] * (dim - 1)), kept, *([1] * (tensor.dim() - dim - 1)))
+            return tensor.new_zeros(shape).scatter(dim, index.expand_as(tensor), tensor)
+
+        outputs = unroll(outputs, 1)
+        if output_hidden_states:
+            layer_outputs = [unroll(h, 1) for h in layer_outputs]
+        if output_attentions:
+            layer_attentions = [unroll(a, 2) for a in layer_attentions]
+        return outputs, layer_outputs, layer_attentions, losses
+
+    def _forward_rows(self, hidden_states, valid, cache, output_hidden_states, output_attentions):
+        """Rows one at a time (each on its real tokens only, from its own fill); the cache is left in the static
+        form, where rows may differ."""
+        if not cache.is_static:
+            self._to_static(cache, hidden_states)
+        batch, seq_len, _ = hidden_states.shape
+        outputs = hidden_states.new_zeros(hidden_states.shape)
+        layer_outputs = [hidden_states.new_zeros(hidden_states.shape) for _ in self.layers]
+        layer_attentions = [None] * len(self.layers)
+        losses = []
+        for row in range(batch):
+            index = valid[row].nonzero()[:, 0]
+            if index.numel() == 0:
+                continue
+            sub = cache.select_row(row)
+            self._to_compact(sub)
+            out, hidden, attentions, row_losses = self._run_segments(
+                hidden_states[row : row + 1, index], valid[row : row + 1, index], sub, output_hidden_states,
+                output_attentions,
+            )  # fmt: skip
+            self._to_static(sub, hidden_states)
+            cache.put_row(row, sub)
+            outputs[row, index] = out[0]
+            losses.extend(row_losses)
+            for i in range(len(self.layers)):
+                if output_hidden_states:
+                    layer_outputs[i][row, index] = hidden[i][0]
+                if output_attentions:
+                    if layer_attentions[i] is None:
+                        layer_attentions[i] = attentions[i].new_zeros(batch, *attentions[i].shape[1:2], seq_len,
+                                                                      attentions[i].shape[3])  # fmt: skip
+                    layer_attentions[i][row, :, index] = attentions[i][0]
+        return outputs, layer_outputs, layer_attentions, losses
+
+    def _run_segments(self, hidden_states, valid, cache, output_hidden_states, output_attentions):
+        """The compact form's segment loop: [batch, seq, hidden] layer-0 inputs -> (last layer's outputs, each
+        layer's outputs (with output_hidden_states), each layer's attentions (with output_attentions),
+        reconstruction losses)."""
+        config = self.config
+        seq_len = hidden_states.shape[1]
         # projected memories are reused only when nothing is trained (weights cannot change under a no-grad call)
         reuse_projections = not torch.is_grad_enabled()
         if reuse_projections:
@@ -724,7 +1040,6 @@ class CompressiveModel(CompressivePreTrainedModel):
             max_keys = min(self._capacity, cache.memory_slots() + seq_len)
             relative_tables = [self._relative_table(layer, max_keys, hidden_states) for layer in self.layers]
 
-        all_hidden = [hidden_states] if output_hidden_states else None
         outputs, per_layer_outputs = [], [[] for _ in self.layers] if output_hidden_states else None
         per_layer_attentions = [[] for _ in self.layers] if output_attentions else None
         reconstruction_losses = []
@@ -754,26 +1069,12 @@ class CompressiveModel(CompressivePreTrainedModel):
                 for layer_attentions, weights in zip(per_layer_attentions, chunk_attentions):
                     layer_attentions.append(weights)
             start = end
-
-        hidden_states = self.norm(torch.cat(outputs, dim=1))
-        if output_hidden_states:
-            all_hidden.extend(torch.cat(h, dim=1) for h in per_layer_outputs[:-1])
-            all_hidden.append(hidden_states)
-        reconstruction_loss = torch.stack(reconstruction_losses).mean() if reconstruction_losses else None
-        if reconstruction_loss is None and self.training and torch.is_grad_enabled():
-            if config.reconstruction_loss != "none":
-                # no memory was evicted in this call: an exact zero that still touches every f_c (and decoder)
-                # parameter, so data-parallel training sees the same parameters used on every step
-                params = [p for layer in self.layers for p in self._compression_parameters(layer)]
-                reconstruction_loss = torch.stack([p.sum() for p in params]).sum() * 0.0
-        result = CompressiveModelOutput(
-            last_hidden_state=hidden_states,
-            cache=cache if use_cache else None,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(torch.cat(a, dim=2) for a in per_layer_attentions) if output_attentions else None,
-            reconstruction_loss=reconstruction_loss,
+        return (
+            torch.cat(outputs, dim=1),
+            [torch.cat(h, dim=1) for h in per_layer_outputs] if output_hidden_states else None,
+            [torch.cat(a, dim=2) for a in per_layer_attentions] if output_attentions else None,
+            reconstruction_losses,
         )
-        return result if return_dict else result.to_tuple()
 
     @staticmethod
     def _compression_parameters(layer) -> list[nn.Parameter]:
@@ -824,6 +1125,223 @@ class CompressiveModel(CompressivePreTrainedModel):
         # the K keys of any chunk read the last K columns (a view)
         distances = torch.arange(length - 1, -1, -1, device=like.device)
         return layer.attention.project_relative(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The static form (StaticLayout): conversions and the one-token decoding step
+    # ------------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _to_static(self, cache, like: torch.Tensor) -> None:
+        """Compact form (every row at the same fill; empty allowed) -> static form, numbering the held tokens from
+        0 (distances only depend on differences) and the compressed entries likewise."""
+        layout = self._layout
+        cache._layout = layout
+        if cache.layers[0].is_empty:
+            for layer_state in cache.layers:
+                layer_state.init_empty(like.detach(), self.track_usage)
+        c_len, m_len, p_len = cache.layers[0].lengths()
+        held = m_len + p_len
+        batch, device = cache.layers[0].mem.shape[0], like.device
+
+        def counter(value):
+            return torch.full((batch,), value, dtype=torch.long, device=device)
+
+        cache.rows_seen, cache.rows_start = counter(held), counter(0)
+        cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
+        tokens = slice(layout.c_ring, layout.c_ring + held)
+        for layer, state in zip(self.layers, cache.layers):
+            if state.rel_table is None:
+                state.rel_table = self._relative_table(layer, self._capacity, state.mem)
+            if state.keys is None:
+                state.store_projected(*layer.project_memory(state.context()), self._capacity)
+            keys, values = state.projected()
+            memory = torch.cat([state.mem, state.pending], dim=1)
+            memory_valid = torch.cat([state.mem_valid, state.pending_valid], dim=1)
+            state.ring = state.mem.new_zeros(batch, layout.slots, state.mem.shape[-1])
+            state.ring[:, :c_len], state.ring[:, tokens] = state.c_mem, memory
+            state.ring_real = torch.zeros(batch, layout.slots, dtype=torch.bool, device=device)
+            state.ring_real[:, :c_len], state.ring_real[:, tokens] = state.c_mem_valid, memory_valid
+            state.ring_keys = keys.new_zeros(batch, keys.shape[1], layout.slots, keys.shape[3])
+            state.ring_values = torch.zeros_like(state.ring_keys)
+            for buffer, projected in ((state.ring_keys, keys), (state.ring_values, values)):
+                buffer[:, :, :c_len], buffer[:, :, tokens] = projected[:, :, :c_len], projected[:, :, c_len:]
+            if self.track_usage:
+                state.ring_usage = torch.zeros(batch, layout.slots, dtype=torch.float32, device=device)
+                state.ring_usage[:, tokens] = torch.cat([state.mem_usage, state.pending_usage], dim=1)
+            else:
+                self._init_groups(layer, state, memory, memory_valid)
+            state.clear_compact()
+
+    def _init_groups(self, layer, state, memory, memory_valid) -> None:
+        """The compressed groups (and, for the dilated convolution, the groups compressed as the first of a block)
+        of the complete groups among the held tokens 0 .. len - 1."""
+        layout, rate = self._layout, self.config.compression_rate
+        batch, held, hidden = memory.shape
+        count = held // rate
+        block, block_valid = memory[:, : count * rate], memory_valid[:, : count * rate]
+        variants = [("grouped", lambda: layer.compress(block, block_valid))]
+        if isinstance(layer.compress, DilatedConvCompression):
+            # the first group of an eviction block reads zeros before it: each group compressed alone
+            def alone():
+                compressed, valid = layer.compress(
+                    block.reshape(batch * count, rate, hidden), block_valid.reshape(batch * count, rate)
+                )
+                return compressed.view(batch, count, hidden), valid.view(batch, count)
+
+            variants.append(("leading", alone))
+        heads, head_dim = layer.attention.num_heads, layer.attention.head_dim
+        for name, compress in variants:
+            values = memory.new_zeros(batch, layout.groups, hidden)
+            valid = torch.zeros(batch, layout.groups, dtype=torch.bool, device=memory.device)
+            keys_buffer = memory.new_zeros(batch, heads, layout.groups, head_dim)
+            values_buffer = torch.zeros_like(keys_buffer)
+            if count:
+                compressed, compressed_valid = compress()
+                values[:, :count], valid[:, :count] = compressed, compressed_valid
+                keys_buffer[:, :, :count], values_buffer[:, :, :count] = layer.project_memory(compressed)
+            setattr(state, name, values)
+            setattr(state, f"{name}_valid", valid)
+            setattr(state, f"{name}_keys", keys_buffer)
+            setattr(state, f"{name}_values", values_buffer)
+
+    @torch.no_grad()
+    def _to_compact(self, cache) -> None:
+        """Static form whose rows are all at the same fill -> compact form (reads the fills back to the host)."""
+        layout = cache._layout
+        c_len, m_len, p_len = cache.row_lengths()[0]
+        device = cache.rows_seen.device
+        c_index = (cache.rows_compressed[:, None] - c_len + torch.arange(c_len, device=device)) % layout.c_ring
+        held = torch.arange(m_len + p_len, device=device)
+        token_index = layout.c_ring + (cache.rows_start[:, None] + held) % layout.ring
+        index = torch.cat([c_index, token_index], dim=1)  # [batch, c + m + p], in compact order
+        for state in cache.layers:
+            context = state.ring.gather(1, index[..., None].expand(-1, -1, state.ring.shape[-1]))
+            state.c_mem, state.mem, state.pending = context.split([c_len, m_len, p_len], dim=1)
+            real = state.ring_real.gather(1, index)
+            state.c_mem_valid, state.mem_valid, state.pending_valid = real.split([c_len, m_len, p_len], dim=1)
+            kv_index = index[:, None, :, None].expand(-1, state.ring_keys.shape[1], -1, state.ring_keys.shape[3])
+            keys, values = state.ring_keys.gather(2, kv_index), state.ring_values.gather(2, kv_index)
+            state.store_projected(keys, values, self._capacity)
+            if self.track_usage:
+                usage = state.ring_usage.gather(1, token_index)
+                state.mem_usage, state.pending_usage = usage.split([m_len, p_len], dim=1)
+            state.clear_static()
+        for name in CompressiveMemoryCache._ROWS:
+            setattr(cache, name, None)
+
+    def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states):
+        """One token per row [batch, 1, hidden] through the static form. The token goes to its row's own slot;
+        a row whose segment it completes evicts and compresses at once; every update is an in-place, fixed-shape
+        write selected per row (no branch on values, no host read)."""
+        layout, rate = self._layout, self.config.compression_rate
+        device = hidden_states.device
+        seen, start = cache.rows_seen, cache.rows_start
+        pending, compressed = cache.rows_pending, cache.rows_compressed
+        write = layout.c_ring + seen % layout.ring  # [batch]: the new token's slot
+
+        # geometry of the held slots, shared by the layers: visibility and each slot's column in the relative table
+        token_slots = torch.arange(layout.ring, device=device)
+        held = token_slots + layout.ring * torch.div(seen[:, None] - token_slots, layout.ring, rounding_mode="floor")
+        c_slots = torch.arange(layout.c_ring, device=device)
+        entry = c_slots + layout.c_ring * torch.div(
+            compressed[:, None] - 1 - c_slots, layout.c_ring, rounding_mode="floor"
+        )  # newest compressed entry in each slot
+        entry_visible = (entry >= 0) & (entry >= compressed[:, None] - layout.c_mem_len)
+        token_visible = held >= start[:, None]  # held <= seen by construction
+        distance = torch.cat([(seen - start + compressed)[:, None] - entry, seen[:, None] - held], dim=1)
+        columns = (self._capacity - 1 - distance).clamp(0, self._capacity - 1)
+        in_window = torch.cat([entry_visible, token_visible], dim=1)  # [batch, slots]
+        is_token = torch.arange(layout.slots, device=device) == write[:, None]
+
+        # the memory update of rows whose segment this token completes
+        completes = token_valid & (pending + 1 == self.config.segment_length)
+        memory_len = seen + 1 - start - self.config.segment_length  # before the update, for completing rows
+        overflow = (memory_len + self.config.segment_length - layout.mem_len).clamp_min(0)
+        evicted = torch.where(completes, -(-overflow // rate) * rate, 0)
+        new_entries = evicted // rate
+        entry_index = torch.arange(layout.max_new_entries, device=device)
+        takes = entry_index < new_entries[:, None]  # [batch, max_new_entries]
+        targets = (compressed[:, None] + entry_index) % layout.c_ring
+
+        group = seen // rate  # the group the new token belongs to, compressed now (complete or not: rewritten)
+        group_tokens = group[:, None] * rate + torch.arange(-rate, rate, device=device)  # with the group before
+        group_slots = layout.c_ring + group_tokens % layout.ring
+
+        layer_outputs = []
+        for layer, state in zip(self.layers, cache.layers):
+            hidden = hidden_states.shape[-1]
+            state.ring.scatter_(1, write[:, None, None].expand(-1, 1, hidden), hidden_states)
+            state.ring_real.scatter_(1, write[:, None], token_valid[:, None])
+            mask = (in_window & (state.ring_real | is_token))[:, None, None, :]
+            out, _, _, _, weights = layer(
+                hidden_states,
+                state.rel_table,
+                memory_keys=state.ring_keys,
+                memory_values=state.ring_values,
+                attention_mask=mask,
+                need_weights=self.track_usage,
+                write_index=write,
+                key_columns=columns,
+            )
+            if self.track_usage:
+                received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
+                state.ring_usage.mul_(~is_token).add_(received)
+                chosen = self._select_most_used(layer, state, start, evicted, new_entries)
+                sources = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
+                entries = [_gather_slots(buffer, chosen) for buffer in sources]
+            else:
+                self._compress_group(layer, state, group, group_tokens, group_slots)
+                group_index = ((start // rate)[:, None] + entry_index) % layout.groups
+                sources = (state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)
+                entries = [_gather_slots(buffer, group_index) for buffer in sources]
+                if state.leading is not None:  # a block's first group, as compressed alone
+                    sources = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
+                    entries = [
+                        torch.cat([_gather_slots(lead, group_index[:, :1]), rest.narrow(dim, 1, rest.shape[dim] - 1)],
+                                  dim=dim)
+                        for lead, rest, dim in ((lead, rest, _slot_dim(rest)) for lead, rest in zip(sources, entries))
+                    ]  # fmt: skip
+            for buffer, values in zip((state.ring, state.ring_keys, state.ring_values, state.ring_real), entries):
+                _write_slots(buffer, targets, takes, values)
+            layer_outputs.append(out)
+            hidden_states = out
+
+        cache.rows_start.add_(evicted)
+        cache.rows_compressed.add_(new_entries)
+        cache.rows_pending.copy_(torch.where(completes, 0, pending + token_valid))
+        cache.rows_seen.add_(token_valid.long())
+        return hidden_states, layer_outputs if output_hidden_states else None
+
+    def _compress_group(self, layer, state, group, group_tokens, group_slots) -> None:
+        """Compresses the group of the newest token into its group slot (a partial group is rewritten when it
+        completes; an eviction only reads complete groups)."""
+        rate, hidden = self.config.compression_rate, state.ring.shape[-1]
+        members = state.ring.gather(1, group_slots[..., None].expand(-1, -1, hidden))  # [batch, 2 * rate, hidden]
+        real = state.ring_real.gather(1, group_slots) & (group_tokens >= 0)
+        slot = (group % self._layout.groups)[:, None]
+        variants = [("grouped", lambda: [t[:, 1:] for t in layer.compress(members, real)])]
+        if state.leading is not None:
+            variants.append(("leading", lambda: layer.compress(members[:, rate:], real[:, rate:])))
+        for name, compress in variants:
+            compressed, compressed_valid = compress()  # [batch, 1, hidden], [batch, 1]
+            keys, values = layer.project_memory(compressed)
+            getattr(state, name).scatter_(1, slot[..., None].expand(-1, 1, hidden), compressed)
+            getattr(state, f"{name}_valid").scatter_(1, slot, compressed_valid)
+            for buffer, projected in (
+                (getattr(state, f"{name}_keys"), keys),
+                (getattr(state, f"{name}_values"), values),
+            ):
+                buffer.scatter_(2, slot[:, None, :, None].expand(-1, buffer.shape[1], 1, buffer.shape[3]), projected)
+
+    def _select_most_used(self, layer, state, start, evicted, new_entries) -> torch.Tensor:
+        """Most-used compression: the slots [batch, max_new_entries] of the tokens each row keeps from its evicted
+        block (the first new_entries[b] count), in temporal order."""
+        layout = self._layout
+        window = torch.arange(layout.max_new_entries * self.config.compression_rate, device=start.device)
+        window_slots = layout.c_ring + (start[:, None] + window) % layout.ring
+        valid = state.ring_real.gather(1, window_slots) & (window < evicted[:, None])
+        chosen, _ = layer.compress.select(valid, state.ring_usage.gather(1, window_slots), new_entries)
+        return window_slots.gather(1, chosen)
 
     def _forward_chunk(
         self, hidden_states, valid, cache, relative_tables, reconstruction_losses, recent_kv, output_attentions=False
@@ -887,7 +1405,6 @@ class CompressiveModel(CompressivePreTrainedModel):
                     reconstruction_losses.append(loss)
             layer_outputs.append(out)
             hidden_states = out
-        cache.seen_tokens += q_len
         return hidden_states, layer_outputs, layer_attentions
 
     def _slot_layout(self, weights: torch.Tensor, state) -> torch.Tensor:
