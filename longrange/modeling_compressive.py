@@ -55,9 +55,9 @@ class CompressiveMemoryLayer:
     [batch, slots, hidden] holds the compressed-memory ring then the token ring, `ring_keys` / `ring_values`
     [batch, heads, slots, d_head] their projections, `ring_real` [batch, slots] whether a slot holds a real token
     (or a compressed slot with a real source), `ring_usage` [batch, slots] the attention received ("most_used").
-    `grouped*` [batch, groups, ...]: each group of `compression_rate` tokens compressed (and projected) as soon as
-    it is complete, so that an eviction only moves entries; `leading*` the same group compressed as the first of
-    an eviction block (the dilated convolution reads the group before it otherwise).
+    With a grouped compression the compressed slots also receive each group of tokens compressed as it completes;
+    `leading*` [batch, c_ring, ...] (dilated convolution only) hold the same groups compressed as the first of an
+    eviction block (otherwise the convolution reads the group before), copied in when a block starts there.
 
     `rel_table` [heads, d_head, capacity]: the projected relative encodings of distances capacity-1 ... 0, kept by
     inference forwards in both forms.
@@ -86,10 +86,6 @@ class CompressiveMemoryLayer:
         "ring_values",
         "ring_real",
         "ring_usage",
-        "grouped",
-        "grouped_keys",
-        "grouped_values",
-        "grouped_valid",
         "leading",
         "leading_keys",
         "leading_values",
@@ -177,15 +173,18 @@ class StaticLayout:
     held: tokens [start, seen) (memory, then the `pending` tokens of its unfinished segment) and compressed
     entries [compressed - c_mem_len, compressed). The relative distance of a query token q to token a is q - a, to
     compressed entry e (q - start) + (compressed - e): exactly its distance in the compact layout
-    [c_mem, mem, pending]. Groups of `compression_rate` tokens (token a in group a // rate) are compressed when
-    complete into group slot (a // rate) % groups; `start` is always a multiple of the rate, so an eviction block
-    is whole groups.
+    [c_mem, mem, pending].
+    Evictions take whole groups of `rate` tokens and start = rate * compressed always, so with a compression that
+    maps each group to one entry on its own (`grouped`: all but "most_used"), entry e is group e (tokens
+    [e * rate, (e + 1) * rate)): each group is compressed into its entry slot as soon as it is complete, and an
+    eviction only moves the counters. The compressed ring then also holds the groups of the held tokens.
     """
 
     c_mem_len: int
     mem_len: int
     segment_length: int
     rate: int
+    grouped: bool
 
     @property
     def max_new_entries(self) -> int:
@@ -193,20 +192,18 @@ class StaticLayout:
         return -(-self.segment_length // self.rate)
 
     @property
-    def c_ring(self) -> int:
-        return max(self.c_mem_len, self.max_new_entries)  # one eviction's entries land in distinct slots
-
-    @property
     def ring(self) -> int:
         return self.mem_len + self.segment_length  # a full memory, an unfinished segment and the new token
 
     @property
-    def slots(self) -> int:
-        return self.c_ring + self.ring
+    def c_ring(self) -> int:
+        if self.grouped:  # the compressed memory, then the groups of the held tokens
+            return self.c_mem_len + -(-self.ring // self.rate) + 1
+        return max(self.c_mem_len, self.max_new_entries)  # one eviction's entries land in distinct slots
 
     @property
-    def groups(self) -> int:
-        return self.ring // self.rate + 2  # every group from `start` to the newest token, with room to spare
+    def slots(self) -> int:
+        return self.c_ring + self.ring
 
 
 def _slot_dim(buffer: torch.Tensor) -> int:
@@ -861,7 +858,13 @@ class CompressiveModel(CompressivePreTrainedModel):
         self.track_usage = config.compression_function == "most_used"
         # most key slots any chunk can see: a full compressed memory, a full memory and a whole segment
         self._capacity = config.c_mem_len + config.mem_len + config.segment_length
-        self._layout = StaticLayout(config.c_mem_len, config.mem_len, config.segment_length, config.compression_rate)
+        self._layout = StaticLayout(
+            config.c_mem_len,
+            config.mem_len,
+            config.segment_length,
+            config.compression_rate,
+            grouped=not self.track_usage,
+        )
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -1146,9 +1149,11 @@ class CompressiveModel(CompressivePreTrainedModel):
         def counter(value):
             return torch.full((batch,), value, dtype=torch.long, device=device)
 
-        cache.rows_seen, cache.rows_start = counter(held), counter(0)
+        # tokens numbered from rate * c_len (start = rate * compressed always; see StaticLayout)
+        first = self.config.compression_rate * c_len
+        cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
         cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
-        tokens = slice(layout.c_ring, layout.c_ring + held)
+        tokens = layout.c_ring + (first + torch.arange(held, device=device)) % layout.ring
         for layer, state in zip(self.layers, cache.layers):
             if state.rel_table is None:
                 state.rel_table = self._relative_table(layer, self._capacity, state.mem)
@@ -1169,40 +1174,35 @@ class CompressiveModel(CompressivePreTrainedModel):
                 state.ring_usage = torch.zeros(batch, layout.slots, dtype=torch.float32, device=device)
                 state.ring_usage[:, tokens] = torch.cat([state.mem_usage, state.pending_usage], dim=1)
             else:
-                self._init_groups(layer, state, memory, memory_valid)
+                self._init_groups(layer, state, memory, memory_valid, c_len)
             state.clear_compact()
 
-    def _init_groups(self, layer, state, memory, memory_valid) -> None:
-        """The compressed groups (and, for the dilated convolution, the groups compressed as the first of a block)
-        of the complete groups among the held tokens 0 .. len - 1."""
-        layout, rate = self._layout, self.config.compression_rate
+    def _init_groups(self, layer, state, memory, memory_valid, c_len) -> None:
+        """The complete groups among the held tokens, compressed into their entry slots c_len, c_len + 1, ...
+        (and, for the dilated convolution, each group compressed alone into the `leading` buffers)."""
+        rate = self.config.compression_rate
         batch, held, hidden = memory.shape
         count = held // rate
         block, block_valid = memory[:, : count * rate], memory_valid[:, : count * rate]
-        variants = [("grouped", lambda: layer.compress(block, block_valid))]
-        if isinstance(layer.compress, DilatedConvCompression):
-            # the first group of an eviction block reads zeros before it: each group compressed alone
-            def alone():
-                compressed, valid = layer.compress(
-                    block.reshape(batch * count, rate, hidden), block_valid.reshape(batch * count, rate)
-                )
-                return compressed.view(batch, count, hidden), valid.view(batch, count)
-
-            variants.append(("leading", alone))
-        heads, head_dim = layer.attention.num_heads, layer.attention.head_dim
-        for name, compress in variants:
-            values = memory.new_zeros(batch, layout.groups, hidden)
-            valid = torch.zeros(batch, layout.groups, dtype=torch.bool, device=memory.device)
-            keys_buffer = memory.new_zeros(batch, heads, layout.groups, head_dim)
-            values_buffer = torch.zeros_like(keys_buffer)
-            if count:
-                compressed, compressed_valid = compress()
-                values[:, :count], valid[:, :count] = compressed, compressed_valid
-                keys_buffer[:, :, :count], values_buffer[:, :, :count] = layer.project_memory(compressed)
-            setattr(state, name, values)
-            setattr(state, f"{name}_valid", valid)
-            setattr(state, f"{name}_keys", keys_buffer)
-            setattr(state, f"{name}_values", values_buffer)
+        entries = slice(c_len, c_len + count)  # no wrap: c_len + count < c_ring
+        dilated = isinstance(layer.compress, DilatedConvCompression)
+        if dilated:
+            state.leading = torch.zeros_like(state.ring[:, : self._layout.c_ring])
+            state.leading_valid = torch.zeros_like(state.ring_real[:, : self._layout.c_ring])
+            state.leading_keys = torch.zeros_like(state.ring_keys[:, :, : self._layout.c_ring])
+            state.leading_values = torch.zeros_like(state.leading_keys)
+        if count == 0:
+            return
+        compressed, compressed_valid = layer.compress(block, block_valid)
+        state.ring[:, entries], state.ring_real[:, entries] = compressed, compressed_valid
+        state.ring_keys[:, :, entries], state.ring_values[:, :, entries] = layer.project_memory(compressed)
+        if dilated:
+            compressed, compressed_valid = layer.compress(
+                block.reshape(batch * count, rate, hidden), block_valid.reshape(batch * count, rate)
+            )
+            compressed = compressed.view(batch, count, hidden)
+            state.leading[:, entries], state.leading_valid[:, entries] = compressed, compressed_valid.view(batch, count)
+            state.leading_keys[:, :, entries], state.leading_values[:, :, entries] = layer.project_memory(compressed)
 
     @torch.no_grad()
     def _to_compact(self, cache) -> None:
@@ -1259,13 +1259,13 @@ class CompressiveModel(CompressivePreTrainedModel):
         overflow = (memory_len + self.config.segment_length - layout.mem_len).clamp_min(0)
         evicted = torch.where(completes, -(-overflow // rate) * rate, 0)
         new_entries = evicted // rate
-        entry_index = torch.arange(layout.max_new_entries, device=device)
-        takes = entry_index < new_entries[:, None]  # [batch, max_new_entries]
-        targets = (compressed[:, None] + entry_index) % layout.c_ring
-
-        group = seen // rate  # the group the new token belongs to, compressed now (complete or not: rewritten)
-        group_tokens = group[:, None] * rate + torch.arange(-rate, rate, device=device)  # with the group before
+        # grouped compression: the new token's group is compressed now (a partial group is rewritten when it
+        # completes; evictions only take complete groups)
+        group = seen // rate
+        span = 2 * rate if layout.grouped and self.config.compression_function == "dilated_conv" else rate
+        group_tokens = group[:, None] * rate + torch.arange(rate - span, rate, device=device)
         group_slots = layout.c_ring + group_tokens % layout.ring
+        block_first = ((start // rate) % layout.c_ring)[:, None]  # the slot of an eviction block's first entry
 
         layer_outputs = []
         for layer, state in zip(self.layers, cache.layers):
@@ -1283,26 +1283,22 @@ class CompressiveModel(CompressivePreTrainedModel):
                 write_index=write,
                 key_columns=columns,
             )
-            if self.track_usage:
+            buffers = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
+            if layout.grouped:
+                self._compress_group(layer, state, group, group_tokens, group_slots)
+                if state.leading is not None:  # the block's first group, as the convolution sees it there
+                    leading = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
+                    for buffer, source in zip(buffers, leading):
+                        _write_slots(buffer, block_first, evicted[:, None] > 0, _gather_slots(source, block_first))
+            else:  # most used: the chosen tokens are copied into the compressed slots
                 received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
                 state.ring_usage.mul_(~is_token).add_(received)
                 chosen = self._select_most_used(layer, state, start, evicted, new_entries)
-                sources = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
-                entries = [_gather_slots(buffer, chosen) for buffer in sources]
-            else:
-                self._compress_group(layer, state, group, group_tokens, group_slots)
-                group_index = ((start // rate)[:, None] + entry_index) % layout.groups
-                sources = (state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)
-                entries = [_gather_slots(buffer, group_index) for buffer in sources]
-                if state.leading is not None:  # a block's first group, as compressed alone
-                    sources = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
-                    entries = [
-                        torch.cat([_gather_slots(lead, group_index[:, :1]), rest.narrow(dim, 1, rest.shape[dim] - 1)],
-                                  dim=dim)
-                        for lead, rest, dim in ((lead, rest, _slot_dim(rest)) for lead, rest in zip(sources, entries))
-                    ]  # fmt: skip
-            for buffer, values in zip((state.ring, state.ring_keys, state.ring_values, state.ring_real), entries):
-                _write_slots(buffer, targets, takes, values)
+                entry_index = torch.arange(layout.max_new_entries, device=device)
+                targets = (compressed[:, None] + entry_index) % layout.c_ring
+                takes = entry_index < new_entries[:, None]
+                for buffer, values in zip(buffers, [_gather_slots(buffer, chosen) for buffer in buffers]):
+                    _write_slots(buffer, targets, takes, values)
             layer_outputs.append(out)
             hidden_states = out
 
@@ -1313,25 +1309,23 @@ class CompressiveModel(CompressivePreTrainedModel):
         return hidden_states, layer_outputs if output_hidden_states else None
 
     def _compress_group(self, layer, state, group, group_tokens, group_slots) -> None:
-        """Compresses the group of the newest token into its group slot (a partial group is rewritten when it
-        completes; an eviction only reads complete groups)."""
-        rate, hidden = self.config.compression_rate, state.ring.shape[-1]
-        members = state.ring.gather(1, group_slots[..., None].expand(-1, -1, hidden))  # [batch, 2 * rate, hidden]
+        """Compresses the group of the newest token (with the group before it for the dilated convolution) into
+        its entry slot, projected."""
+        hidden = state.ring.shape[-1]
+        members = state.ring.gather(1, group_slots[..., None].expand(-1, -1, hidden))  # [batch, span, hidden]
         real = state.ring_real.gather(1, group_slots) & (group_tokens >= 0)
-        slot = (group % self._layout.groups)[:, None]
-        variants = [("grouped", lambda: [t[:, 1:] for t in layer.compress(members, real)])]
+        slot = (group % self._layout.c_ring)[:, None]
+        compressed, compressed_valid = (t[:, -1:] for t in layer.compress(members, real))  # [batch, 1, ...]
+        targets = [(state.ring, state.ring_keys, state.ring_values, state.ring_real)]
+        results = [(compressed, *layer.project_memory(compressed), compressed_valid)]
         if state.leading is not None:
-            variants.append(("leading", lambda: layer.compress(members[:, rate:], real[:, rate:])))
-        for name, compress in variants:
-            compressed, compressed_valid = compress()  # [batch, 1, hidden], [batch, 1]
-            keys, values = layer.project_memory(compressed)
-            getattr(state, name).scatter_(1, slot[..., None].expand(-1, 1, hidden), compressed)
-            getattr(state, f"{name}_valid").scatter_(1, slot, compressed_valid)
-            for buffer, projected in (
-                (getattr(state, f"{name}_keys"), keys),
-                (getattr(state, f"{name}_values"), values),
-            ):
-                buffer.scatter_(2, slot[:, None, :, None].expand(-1, buffer.shape[1], 1, buffer.shape[3]), projected)
+            rate = self.config.compression_rate
+            compressed, compressed_valid = layer.compress(members[:, -rate:], real[:, -rate:])
+            targets.append((state.leading, state.leading_keys, state.leading_values, state.leading_valid))
+            results.append((compressed, *layer.project_memory(compressed), compressed_valid))
+        for buffers, values in zip(targets, results):
+            for buffer, value in zip(buffers, values):
+                buffer.scatter_(_slot_dim(buffer), _slot_index(buffer, slot), value)
 
     def _select_most_used(self, layer, state, start, evicted, new_entries) -> torch.Tensor:
         """Most-used compression: the slots [batch, max_new_entries] of the tokens each row keeps from its evicted
