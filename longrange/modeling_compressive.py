@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .compat import cache_output
+from .compat import CACHE_NAME, cache_output
 from .configuration_compressive import CompressiveConfig
 from .layers import FeedForward, attend, blockwise_attention, check_token_ids, sinusoidal_embedding
 from .product_key_memory import ProductKeyMemory
@@ -1502,6 +1502,13 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the cache holds memories, not keys/values: forward creates a CompressiveMemoryCache
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() starts from an empty CompressiveMemoryCache (unless given one), so that it sees a compileable
+        cache and compiles the decoding steps where it compiles (CUDA; any device with `compile_config`)."""
+        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
+            model_kwargs[CACHE_NAME] = CompressiveMemoryCache(self.config.num_hidden_layers)
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def forward(
         self,
