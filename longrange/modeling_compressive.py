@@ -26,6 +26,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
@@ -178,6 +179,9 @@ class StaticLayout:
     maps each group to one entry on its own (`grouped`: all but "most_used"), entry e is group e (tokens
     [e * rate, (e + 1) * rate)): each group is compressed into its entry slot as soon as it is complete, and an
     eviction only moves the counters. The compressed ring then also holds the groups of the held tokens.
+    A cache that can be cropped by up to `margin` tokens keeps `margin` more token slots (and their groups), so the
+    tokens and entries of the last `margin` steps are still there, and the counters before its last `history`
+    segment completions: a crop then only rewinds the counters.
     """
 
     c_mem_len: int
@@ -185,6 +189,11 @@ class StaticLayout:
     segment_length: int
     rate: int
     grouped: bool
+    margin: int = 0
+
+    @property
+    def history(self) -> int:
+        return -(-self.margin // self.segment_length) + 1 if self.margin else 0
 
     @property
     def max_new_entries(self) -> int:
@@ -193,7 +202,8 @@ class StaticLayout:
 
     @property
     def ring(self) -> int:
-        return self.mem_len + self.segment_length  # a full memory, an unfinished segment and the new token
+        # a full memory, an unfinished segment and the new token, plus the tokens a crop may take back
+        return self.mem_len + self.segment_length + self.margin
 
     @property
     def c_ring(self) -> int:
@@ -245,10 +255,13 @@ class CompressiveMemoryCache(Cache):
     to one graph that reads nothing back to the host. The model converts between the forms as needed.
     """
 
-    _ROWS = ("rows_seen", "rows_start", "rows_pending", "rows_compressed")
+    _ROWS = ("rows_seen", "rows_start", "rows_pending", "rows_compressed", "rows_history")
 
-    def __init__(self, num_hidden_layers: int):
+    def __init__(self, num_hidden_layers: int, crop_margin: int = 0):
         super().__init__(layers=[CompressiveMemoryLayer() for _ in range(num_hidden_layers)])
+        if not isinstance(crop_margin, int) or crop_margin < 0:
+            raise ValueError(f"crop_margin must be an int >= 0 (most tokens one crop removes), got {crop_margin!r}")
+        self.crop_margin = crop_margin
         self.seen_tokens = 0
         self._layout = None  # StaticLayout, set by the model when it first builds the static form
         for name in self._ROWS:
@@ -257,6 +270,11 @@ class CompressiveMemoryCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return True
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can take back up to `crop_margin` tokens (a cache built with crop_margin > 0)."""
+        return self.crop_margin > 0
 
     @property
     def is_static(self) -> bool:
@@ -333,7 +351,39 @@ class CompressiveMemoryCache(Cache):
             getattr(self, name)[row : row + 1] = getattr(sub, name)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("CompressiveMemoryCache cannot be cropped: evicted memories are compressed")
+        """Removes the last -tokens_to_remove tokens of every row (transformers' convention: a number <= 0),
+        restoring the memories exactly as they were before those tokens: the counters are rewound (to their
+        values before the segment completions undone); the static buffers still hold what they pointed to.
+        The removed tokens must be real tokens of every row (as generate() appends them)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a number <= 0, got {tokens_to_remove}")
+        count = -tokens_to_remove
+        if count == 0 or self.layers[0].is_empty:
+            return
+        if count > self.crop_margin:
+            raise ValueError(
+                f"cannot crop {count} tokens: this CompressiveMemoryCache keeps what a crop needs for "
+                f"crop_margin={self.crop_margin} tokens (create it with a larger crop_margin)"
+            )
+        if not self.is_static:
+            raise ValueError("crop needs the cache's inference form: only caches of no-grad forwards can be cropped")
+        layout = self._layout
+        seen, pending, history = self.rows_seen, self.rows_pending, self.rows_history
+        undone = torch.where(count > pending, (count - pending - 1) // layout.segment_length + 1, 0)  # completions
+        slot = (layout.history - undone).clamp(0, layout.history - 1)
+        restored = history.gather(1, slot[:, None, None].expand(-1, 1, 2))[:, 0]  # [batch, 2]
+        rewind = undone > 0
+        if bool((rewind & (restored[:, 0] < 0)).any()):
+            raise ValueError(f"cannot crop {count} tokens: the segment completions to undo were not recorded")
+        self.rows_start.copy_(torch.where(rewind, restored[:, 0], self.rows_start))
+        self.rows_compressed.copy_(torch.where(rewind, restored[:, 1], self.rows_compressed))
+        self.rows_pending.copy_(pending - count + undone * layout.segment_length)
+        self.rows_seen.sub_(count)
+        # the undone completions leave the history: entries move back by `undone`
+        positions = torch.arange(layout.history, device=seen.device)[None] - undone[:, None]  # [batch, history]
+        kept = history.gather(1, positions.clamp_min(0)[..., None].expand(-1, -1, 2))
+        self.rows_history.copy_(torch.where((positions >= 0)[..., None], kept, -1))
+        self.seen_tokens -= count
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -827,7 +877,10 @@ class CompressivePreTrainedModel(PreTrainedModel):
     _no_split_modules = ["CompressiveDecoderLayer"]
     _supports_sdpa = True
     _can_compile_fullgraph = True
-    _is_stateful = True
+    # not stateful for generate(): a croppable cache (crop_margin > 0) restores memories exactly, so assisted
+    # decoding may verify and reject draft tokens (with "most_used" the cache is not croppable and transformers
+    # refuses assisted decoding for that reason)
+    _is_stateful = False
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear, Conv1d, ConvTranspose1d, Embedding, LayerNorm
@@ -858,13 +911,6 @@ class CompressiveModel(CompressivePreTrainedModel):
         self.track_usage = config.compression_function == "most_used"
         # most key slots any chunk can see: a full compressed memory, a full memory and a whole segment
         self._capacity = config.c_mem_len + config.mem_len + config.segment_length
-        self._layout = StaticLayout(
-            config.c_mem_len,
-            config.mem_len,
-            config.segment_length,
-            config.compression_rate,
-            grouped=not self.track_usage,
-        )
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -892,6 +938,11 @@ class CompressiveModel(CompressivePreTrainedModel):
             cache = past_key_values
         if cache is not None and not isinstance(cache, CompressiveMemoryCache):
             raise TypeError(f"cache must be a CompressiveMemoryCache, got {type(cache).__name__}")
+        if cache is not None and cache.crop_margin and self.track_usage:
+            raise ValueError(
+                "a CompressiveMemoryCache with crop_margin > 0 (croppable, e.g. for assisted decoding) needs a "
+                "compression_function other than 'most_used' (its choice depends on attention a crop cannot undo)"
+            )
         if use_cache is None:
             use_cache = config.use_cache and not self.training
         output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
@@ -905,22 +956,38 @@ class CompressiveModel(CompressivePreTrainedModel):
             raise ValueError(f"cache holds batch size {cache.layers[0].batch_size}, inputs have batch size {batch}")
         valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
 
-        if seq_len == 1 and not torch.is_grad_enabled() and not output_attentions:
-            # decoding: the static form, each row at its own fill, fixed shapes, nothing read back to the host
-            if not cache.is_static:
-                self._to_static(cache, hidden_states)
-            outputs, layer_outputs = self._decode_step(hidden_states, valid[:, 0], cache, output_hidden_states)
-            layer_attentions, reconstruction_losses = None, []
-        else:
+        # decoding (one token, no gradient): the static form, each row at its own fill, fixed shapes, nothing read
+        # back to the host. A croppable cache also takes the last crop_margin tokens of longer calls one at a
+        # time, so that a crop finds what it needs in the static buffers.
+        stepped = 0
+        if not torch.is_grad_enabled() and not output_attentions:
+            stepped = seq_len if seq_len == 1 else min(seq_len, cache.crop_margin)
+        head = seq_len - stepped
+        layer_outputs, layer_attentions, reconstruction_losses = [], None, []
+        if head:
             outputs, layer_outputs, layer_attentions, reconstruction_losses = self._forward_tokens(
-                hidden_states,
-                valid,
+                hidden_states[:, :head],
+                valid[:, :head],
                 cache,
                 attention_mask is not None,
                 use_cache,
                 output_hidden_states,
                 output_attentions,
             )
+        if stepped:
+            if not cache.is_static:
+                self._to_static(cache, hidden_states)
+            steps = [
+                self._decode_step(hidden_states[:, t : t + 1], valid[:, t], cache, output_hidden_states)
+                for t in range(head, seq_len)
+            ]
+            step_outputs = torch.cat([out for out, _ in steps], dim=1)
+            outputs = torch.cat([outputs, step_outputs], dim=1) if head else step_outputs
+            if output_hidden_states:
+                step_layers = [torch.cat(layer, dim=1) for layer in zip(*(hidden for _, hidden in steps))]
+                if head:
+                    step_layers = [torch.cat(pair, dim=1) for pair in zip(layer_outputs, step_layers)]
+                layer_outputs = step_layers
         cache.seen_tokens += seq_len
 
         all_hidden = None
@@ -1137,7 +1204,15 @@ class CompressiveModel(CompressivePreTrainedModel):
     def _to_static(self, cache, like: torch.Tensor) -> None:
         """Compact form (every row at the same fill; empty allowed) -> static form, numbering the held tokens from
         0 (distances only depend on differences) and the compressed entries likewise."""
-        layout = self._layout
+        config = self.config
+        layout = StaticLayout(
+            config.c_mem_len,
+            config.mem_len,
+            config.segment_length,
+            config.compression_rate,
+            grouped=not self.track_usage,
+            margin=cache.crop_margin,
+        )
         cache._layout = layout
         if cache.layers[0].is_empty:
             for layer_state in cache.layers:
@@ -1153,6 +1228,8 @@ class CompressiveModel(CompressivePreTrainedModel):
         first = self.config.compression_rate * c_len
         cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
         cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
+        # (start, compressed) before each of the last `history` segment completions; -1: not recorded
+        cache.rows_history = torch.full((batch, layout.history, 2), -1, dtype=torch.long, device=device)
         tokens = layout.c_ring + (first + torch.arange(held, device=device)) % layout.ring
         for layer, state in zip(self.layers, cache.layers):
             if state.rel_table is None:
@@ -1174,10 +1251,10 @@ class CompressiveModel(CompressivePreTrainedModel):
                 state.ring_usage = torch.zeros(batch, layout.slots, dtype=torch.float32, device=device)
                 state.ring_usage[:, tokens] = torch.cat([state.mem_usage, state.pending_usage], dim=1)
             else:
-                self._init_groups(layer, state, memory, memory_valid, c_len)
+                self._init_groups(layer, state, memory, memory_valid, c_len, layout)
             state.clear_compact()
 
-    def _init_groups(self, layer, state, memory, memory_valid, c_len) -> None:
+    def _init_groups(self, layer, state, memory, memory_valid, c_len, layout) -> None:
         """The complete groups among the held tokens, compressed into their entry slots c_len, c_len + 1, ...
         (and, for the dilated convolution, each group compressed alone into the `leading` buffers)."""
         rate = self.config.compression_rate
@@ -1187,9 +1264,9 @@ class CompressiveModel(CompressivePreTrainedModel):
         entries = slice(c_len, c_len + count)  # no wrap: c_len + count < c_ring
         dilated = isinstance(layer.compress, DilatedConvCompression)
         if dilated:
-            state.leading = torch.zeros_like(state.ring[:, : self._layout.c_ring])
-            state.leading_valid = torch.zeros_like(state.ring_real[:, : self._layout.c_ring])
-            state.leading_keys = torch.zeros_like(state.ring_keys[:, :, : self._layout.c_ring])
+            state.leading = torch.zeros_like(state.ring[:, : layout.c_ring])
+            state.leading_valid = torch.zeros_like(state.ring_real[:, : layout.c_ring])
+            state.leading_keys = torch.zeros_like(state.ring_keys[:, :, : layout.c_ring])
             state.leading_values = torch.zeros_like(state.leading_keys)
         if count == 0:
             return
@@ -1233,7 +1310,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         """One token per row [batch, 1, hidden] through the static form. The token goes to its row's own slot;
         a row whose segment it completes evicts and compresses at once; every update is an in-place, fixed-shape
         write selected per row (no branch on values, no host read)."""
-        layout, rate = self._layout, self.config.compression_rate
+        layout, rate = cache._layout, self.config.compression_rate
         device = hidden_states.device
         seen, start = cache.rows_seen, cache.rows_start
         pending, compressed = cache.rows_pending, cache.rows_compressed
@@ -1285,7 +1362,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             )
             buffers = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
             if layout.grouped:
-                self._compress_group(layer, state, group, group_tokens, group_slots)
+                self._compress_group(layer, state, group, group_tokens, group_slots, layout)
                 if state.leading is not None:  # the block's first group, as the convolution sees it there
                     leading = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
                     for buffer, source in zip(buffers, leading):
@@ -1293,7 +1370,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             else:  # most used: the chosen tokens are copied into the compressed slots
                 received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
                 state.ring_usage.mul_(~is_token).add_(received)
-                chosen = self._select_most_used(layer, state, start, evicted, new_entries)
+                chosen = self._select_most_used(layer, state, start, evicted, new_entries, layout)
                 entry_index = torch.arange(layout.max_new_entries, device=device)
                 targets = (compressed[:, None] + entry_index) % layout.c_ring
                 takes = entry_index < new_entries[:, None]
@@ -1302,19 +1379,23 @@ class CompressiveModel(CompressivePreTrainedModel):
             layer_outputs.append(out)
             hidden_states = out
 
+        if layout.history:
+            before = torch.stack([start, compressed], dim=1)[:, None]
+            shifted = torch.cat([cache.rows_history[:, 1:], before], dim=1)
+            cache.rows_history.copy_(torch.where(completes[:, None, None], shifted, cache.rows_history))
         cache.rows_start.add_(evicted)
         cache.rows_compressed.add_(new_entries)
         cache.rows_pending.copy_(torch.where(completes, 0, pending + token_valid))
         cache.rows_seen.add_(token_valid.long())
         return hidden_states, layer_outputs if output_hidden_states else None
 
-    def _compress_group(self, layer, state, group, group_tokens, group_slots) -> None:
+    def _compress_group(self, layer, state, group, group_tokens, group_slots, layout) -> None:
         """Compresses the group of the newest token (with the group before it for the dilated convolution) into
         its entry slot, projected."""
         hidden = state.ring.shape[-1]
         members = state.ring.gather(1, group_slots[..., None].expand(-1, -1, hidden))  # [batch, span, hidden]
         real = state.ring_real.gather(1, group_slots) & (group_tokens >= 0)
-        slot = (group % self._layout.c_ring)[:, None]
+        slot = (group % layout.c_ring)[:, None]
         compressed, compressed_valid = (t[:, -1:] for t in layer.compress(members, real))  # [batch, 1, ...]
         targets = [(state.ring, state.ring_keys, state.ring_values, state.ring_real)]
         results = [(compressed, *layer.project_memory(compressed), compressed_valid)]
@@ -1327,10 +1408,9 @@ class CompressiveModel(CompressivePreTrainedModel):
             for buffer, value in zip(buffers, values):
                 buffer.scatter_(_slot_dim(buffer), _slot_index(buffer, slot), value)
 
-    def _select_most_used(self, layer, state, start, evicted, new_entries) -> torch.Tensor:
+    def _select_most_used(self, layer, state, start, evicted, new_entries, layout) -> torch.Tensor:
         """Most-used compression: the slots [batch, max_new_entries] of the tokens each row keeps from its evicted
         block (the first new_entries[b] count), in temporal order."""
-        layout = self._layout
         window = torch.arange(layout.max_new_entries * self.config.compression_rate, device=start.device)
         window_slots = layout.c_ring + (start[:, None] + window) % layout.ring
         valid = state.ring_real.gather(1, window_slots) & (window < evicted[:, None])
@@ -1503,12 +1583,18 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the cache holds memories, not keys/values: forward creates a CompressiveMemoryCache
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """generate() starts from an empty CompressiveMemoryCache (unless given one), so that it sees a compileable
-        cache and compiles the decoding steps where it compiles (CUDA; any device with `compile_config`)."""
+        cache and compiles the decoding steps where it compiles (CUDA; any device with `compile_config`). Assisted
+        and prompt-lookup decoding (and an assistant model's own generate) get a croppable one: it can take back
+        as many tokens as one generate() call adds, at least 64 and two segments."""
         if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
-            model_kwargs[CACHE_NAME] = CompressiveMemoryCache(self.config.num_hidden_layers)
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+            margin = 0
+            assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+            if assisted and self.config.compression_function != "most_used":
+                margin = max(64, 2 * self.config.segment_length, (generation_config.max_new_tokens or 0) + 1)
+            model_kwargs[CACHE_NAME] = CompressiveMemoryCache(self.config.num_hidden_layers, crop_margin=margin)
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
 
     def forward(
         self,

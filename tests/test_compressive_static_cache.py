@@ -14,6 +14,7 @@ import torch
 from test_compressive_model import COMPRESSIONS, VOCAB, single_thread, tiny_model  # noqa: F401
 from transformers import CompileConfig, pipeline
 
+from longrange import CompressiveMemoryCache
 from longrange.tokenization import byte_tokenizer
 from tests.dispatch_utils import count_dispatched_ops, needs_traceable_outputs, sync_ops
 
@@ -176,3 +177,58 @@ def test_generate_compiles_decoding_on_the_cpu_when_asked_and_equals_eager_and_u
         assert torch.equal(
             compiled[row, ids.shape[1] :], greedy_by_full_recomputation(model, prompt, 16)[len(prompt) :]
         )
+
+
+@pytest.mark.parametrize("options", COMPRESSIONS[:-1] + [dict(layer_norm_position="post")])  # all but most_used
+def test_crop_restores_the_cache_of_the_first_tokens(options):
+    """After crop(-k) the next logits equal those of a cache built from the kept tokens alone, whether the removed
+    tokens came in one call or one at a time, and across segment completions (evictions, compressions)."""
+    model = tiny_model(**options)
+    ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for kept in (5, 13, 22):
+            want = model(ids[:, : kept + 1]).logits[:, -1:]
+            for removed in (1, 3, 7, 12):  # 12: three segment completions undone
+                one_call = CompressiveMemoryCache(2, crop_margin=16)
+                model(ids[:, : kept + removed], cache=one_call, use_cache=True)
+                stepwise = CompressiveMemoryCache(2, crop_margin=16)
+                model(ids[:, :3], cache=stepwise, use_cache=True)
+                for t in range(3, kept + removed):
+                    model(ids[:, t : t + 1], cache=stepwise, use_cache=True)
+                for cache in (one_call, stepwise):
+                    cache.crop(-removed)
+                    assert cache.get_seq_length() == kept
+                    got = model(ids[:, kept : kept + 1], cache=cache, use_cache=True).logits
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        cache = CompressiveMemoryCache(2, crop_margin=4)
+        model(ids[:, :10], cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match="crop_margin=4"):
+            cache.crop(-5)
+        with pytest.raises(ValueError, match="number <= 0"):
+            cache.crop(3)
+
+
+def test_assisted_and_prompt_lookup_decoding_equal_greedy_decoding(monkeypatch):
+    model = tiny_model()
+    assistant = tiny_model(seed=1, hidden_size=16, num_hidden_layers=1, intermediate_size=32)  # same vocabulary
+    removed = []
+    crop = CompressiveMemoryCache.crop
+    monkeypatch.setattr(CompressiveMemoryCache, "crop", lambda self, n: (removed.append(-n), crop(self, n))[1])
+    prompt = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
+    settings = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    greedy = model.generate(prompt, **settings)
+    assert torch.equal(greedy[0], greedy_by_full_recomputation(model, prompt[0], 24))
+    assert torch.equal(model.generate(prompt, assistant_model=assistant, **settings), greedy)
+    assert max(removed) > 0  # draft tokens were rejected and cropped away
+    repeated = prompt.repeat(1, 3)  # n-grams to look up
+    greedy = model.generate(repeated, **settings)
+    assert torch.equal(model.generate(repeated, prompt_lookup_num_tokens=4, **settings), greedy)
+
+
+def test_most_used_compression_refuses_assisted_decoding_clearly():
+    model = tiny_model(compression_function="most_used", reconstruction_loss="none")
+    prompt = torch.randint(1, VOCAB, (1, 6))
+    with pytest.raises(ValueError, match="cropped"):
+        model.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="most_used"):
+        model(prompt, cache=CompressiveMemoryCache(2, crop_margin=4), use_cache=True)
