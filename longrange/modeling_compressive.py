@@ -410,10 +410,16 @@ class ConvCompression(nn.Module):
         batch, n, hidden = memories.shape
         memories = memories * valid[..., None].to(memories.dtype)
         # kernel = stride = c: each output reads one group of c consecutive memories, so the convolution is a
-        # linear map of the flattened groups (one matrix product, faster than the convolution kernel on CPU)
-        weight = self.conv.weight.transpose(1, 2).reshape(hidden, self.rate * hidden)  # [out, (tap, in)]
-        compressed = F.linear(memories.reshape(batch, n // self.rate, self.rate * hidden), weight, self.conv.bias)
-        return compressed, _group_any(valid, self.rate)
+        # linear map of the flattened groups (one matrix product, faster than the convolution kernel on CPU). The
+        # weight [out, in, tap] and the groups [tap, in] disagree on the flattening order: whichever is smaller is
+        # copied (the weight, or the memories when few, as in decoding, which compresses one group per step)
+        groups = memories.view(batch, n // self.rate, self.rate, hidden)
+        if batch * n < hidden * self.rate:
+            flat, weight = groups.transpose(2, 3).reshape(batch, n // self.rate, -1), self.conv.weight.flatten(1)
+        else:
+            flat = groups.reshape(batch, n // self.rate, -1)
+            weight = self.conv.weight.transpose(1, 2).reshape(hidden, self.rate * hidden)  # [out, (tap, in)]
+        return F.linear(flat, weight, self.conv.bias), _group_any(valid, self.rate)
 
 
 class DilatedConvCompression(nn.Module):
