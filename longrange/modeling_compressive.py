@@ -56,9 +56,10 @@ class CompressiveMemoryLayer:
     [batch, slots, hidden] holds the compressed-memory ring then the token ring, `ring_keys` / `ring_values`
     [batch, heads, slots, d_head] their projections, `ring_real` [batch, slots] whether a slot holds a real token
     (or a compressed slot with a real source), `ring_usage` [batch, slots] the attention received ("most_used").
-    With a grouped compression the compressed slots also receive each group of tokens compressed as it completes;
-    `leading*` [batch, c_ring, ...] (dilated convolution only) hold the same groups compressed as the first of an
-    eviction block (otherwise the convolution reads the group before), copied in when a block starts there.
+    `grouped*` [batch, groups, ...]: each group of `compression_rate` tokens compressed (and projected) as soon as
+    it is complete (grouped compressions), so an eviction only copies entries; `leading*` (dilated convolution
+    only) the same groups compressed as the first of an eviction block (the convolution reads the group before
+    otherwise).
 
     `rel_table` [heads, d_head, capacity]: the projected relative encodings of distances capacity-1 ... 0, kept by
     inference forwards in both forms.
@@ -87,6 +88,10 @@ class CompressiveMemoryLayer:
         "ring_values",
         "ring_real",
         "ring_usage",
+        "grouped",
+        "grouped_keys",
+        "grouped_values",
+        "grouped_valid",
         "leading",
         "leading_keys",
         "leading_values",
@@ -168,20 +173,20 @@ class CompressiveMemoryLayer:
 class StaticLayout:
     """Sizes of the static (decoding) form of the cache, from the config.
 
-    Per row and layer, the buffers hold `c_ring` compressed slots then `ring` token slots. Tokens are numbered per
-    row, counting only tokens the row really has (padding never enters): token a lives in slot
+    Per row and layer, the attended buffers hold `c_ring` compressed slots then `ring` token slots. Tokens are
+    numbered per row, counting only tokens the row really has (padding never enters): token a lives in slot
     c_ring + a % ring, compressed entry e (the e-th produced) in slot e % c_ring. A row's counters say which are
     held: tokens [start, seen) (memory, then the `pending` tokens of its unfinished segment) and compressed
     entries [compressed - c_mem_len, compressed). The relative distance of a query token q to token a is q - a, to
     compressed entry e (q - start) + (compressed - e): exactly its distance in the compact layout
     [c_mem, mem, pending].
-    Evictions take whole groups of `rate` tokens and start = rate * compressed always, so with a compression that
-    maps each group to one entry on its own (`grouped`: all but "most_used"), entry e is group e (tokens
-    [e * rate, (e + 1) * rate)): each group is compressed into its entry slot as soon as it is complete, and an
-    eviction only moves the counters. The compressed ring then also holds the groups of the held tokens.
-    A cache that can be cropped by up to `margin` tokens keeps `margin` more token slots (and their groups), so the
-    tokens and entries of the last `margin` steps are still there, and the counters before its last `history`
-    segment completions: a crop then only rewinds the counters.
+    Evictions take whole groups of `rate` tokens (start is a multiple of the rate). With a compression that maps
+    each group to one entry on its own (`grouped`: all but "most_used"), each group (token a in group a // rate)
+    is compressed and projected as soon as it is complete, into group slot (a // rate) % groups of separate
+    buffers; an eviction copies its groups' entries into the compressed slots.
+    A cache that can be cropped by up to `margin` tokens keeps `margin` more token and group slots, and compressed
+    slots for the entries of the completions a crop may undo, with the counters before its last `history`
+    completions: a crop then only rewinds the counters.
     """
 
     c_mem_len: int
@@ -207,13 +212,17 @@ class StaticLayout:
 
     @property
     def c_ring(self) -> int:
-        if self.grouped:  # the compressed memory, then the groups of the held tokens
-            return self.c_mem_len + -(-self.ring // self.rate) + 1
-        return max(self.c_mem_len, self.max_new_entries)  # one eviction's entries land in distinct slots
+        # one eviction's entries land in distinct slots; those of the completions a crop undoes stay
+        undone = self.history - 1 if self.margin else 0
+        return max(self.c_mem_len, self.max_new_entries) + undone * self.max_new_entries
 
     @property
     def slots(self) -> int:
         return self.c_ring + self.ring
+
+    @property
+    def groups(self) -> int:
+        return -(-self.ring // self.rate) + 2  # every group from `start` to the newest token, with room to spare
 
 
 def _slot_dim(buffer: torch.Tensor) -> int:
@@ -264,6 +273,7 @@ class CompressiveMemoryCache(Cache):
         self.crop_margin = crop_margin
         self.seen_tokens = 0
         self._layout = None  # StaticLayout, set by the model when it first builds the static form
+        self._host_rows = None  # static form: each row's (seen, start, pending, compressed) when known on the host
         for name in self._ROWS:
             setattr(self, name, None)
 
@@ -308,6 +318,7 @@ class CompressiveMemoryCache(Cache):
             layer.reset()
         for name in self._ROWS:
             setattr(self, name, None)
+        self._host_rows = None
         self.seen_tokens = 0
 
     def _apply_to_batch(self, fn) -> None:
@@ -320,12 +331,16 @@ class CompressiveMemoryCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply_to_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._host_rows = None  # the rows' order is on the device now
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._apply_to_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self._host_rows is not None:
+            self._host_rows = [list(row) for row in self._host_rows for _ in range(repeats)]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._apply_to_batch(lambda t: t[indices])
+        self._host_rows = None
 
     def select_row(self, row: int) -> CompressiveMemoryCache:
         """Static form: a new cache holding row `row` alone (copies)."""
@@ -338,6 +353,7 @@ class CompressiveMemoryCache(Cache):
             sub_layer.rel_table = layer.rel_table
         for name in self._ROWS:
             setattr(sub, name, getattr(self, name)[row : row + 1].clone())
+        sub._host_rows = None if self._host_rows is None else [list(self._host_rows[row])]
         return sub
 
     def put_row(self, row: int, sub: CompressiveMemoryCache) -> None:
@@ -349,6 +365,11 @@ class CompressiveMemoryCache(Cache):
                     value[row : row + 1] = getattr(sub_layer, name)
         for name in self._ROWS:
             getattr(self, name)[row : row + 1] = getattr(sub, name)
+        if self._host_rows is not None:
+            if sub._host_rows is None:
+                self._host_rows = None
+            else:
+                self._host_rows[row] = list(sub._host_rows[0])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last -tokens_to_remove tokens of every row (transformers' convention: a number <= 0),
@@ -384,6 +405,9 @@ class CompressiveMemoryCache(Cache):
         kept = history.gather(1, positions.clamp_min(0)[..., None].expand(-1, -1, 2))
         self.rows_history.copy_(torch.where((positions >= 0)[..., None], kept, -1))
         self.seen_tokens -= count
+        self._host_rows = torch.stack(
+            [self.rows_seen, self.rows_start, self.rows_pending, self.rows_compressed], dim=1
+        ).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -984,7 +1008,9 @@ class CompressiveModel(CompressivePreTrainedModel):
             if not cache.is_static:
                 self._to_static(cache, hidden_states)
             steps = [
-                self._decode_step(hidden_states[:, t : t + 1], valid[:, t], cache, output_hidden_states)
+                self._decode_step(
+                    hidden_states[:, t : t + 1], valid[:, t], cache, output_hidden_states, attention_mask is None
+                )
                 for t in range(head, seq_len)
             ]
             step_outputs = torch.cat([out for out, _ in steps], dim=1)
@@ -1234,6 +1260,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         first = self.config.compression_rate * c_len
         cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
         cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
+        cache._host_rows = [[first + held, first, p_len, c_len] for _ in range(batch)]
         # (start, compressed) before each of the last `history` segment completions; -1: not recorded
         cache.rows_history = torch.full((batch, layout.history, 2), -1, dtype=torch.long, device=device)
         tokens = layout.c_ring + (first + torch.arange(held, device=device)) % layout.ring
@@ -1261,31 +1288,37 @@ class CompressiveModel(CompressivePreTrainedModel):
             state.clear_compact()
 
     def _init_groups(self, layer, state, memory, memory_valid, c_len, layout) -> None:
-        """The complete groups among the held tokens, compressed into their entry slots c_len, c_len + 1, ...
-        (and, for the dilated convolution, each group compressed alone into the `leading` buffers)."""
+        """The complete groups among the held tokens (numbered from rate * c_len, so their groups are c_len, ...)
+        compressed and projected into their group slots (and, for the dilated convolution, each group compressed
+        alone into the `leading` buffers)."""
         rate = self.config.compression_rate
         batch, held, hidden = memory.shape
         count = held // rate
         block, block_valid = memory[:, : count * rate], memory_valid[:, : count * rate]
-        entries = slice(c_len, c_len + count)  # no wrap: c_len + count < c_ring
-        dilated = isinstance(layer.compress, DilatedConvCompression)
-        if dilated:
-            state.leading = torch.zeros_like(state.ring[:, : layout.c_ring])
-            state.leading_valid = torch.zeros_like(state.ring_real[:, : layout.c_ring])
-            state.leading_keys = torch.zeros_like(state.ring_keys[:, :, : layout.c_ring])
-            state.leading_values = torch.zeros_like(state.leading_keys)
-        if count == 0:
-            return
-        compressed, compressed_valid = layer.compress(block, block_valid)
-        state.ring[:, entries], state.ring_real[:, entries] = compressed, compressed_valid
-        state.ring_keys[:, :, entries], state.ring_values[:, :, entries] = layer.project_memory(compressed)
-        if dilated:
-            compressed, compressed_valid = layer.compress(
-                block.reshape(batch * count, rate, hidden), block_valid.reshape(batch * count, rate)
+        slots = (c_len + torch.arange(count, device=memory.device)) % layout.groups
+        heads, head_dim = layer.attention.num_heads, layer.attention.head_dim
+        variants = [("grouped", lambda: layer.compress(block, block_valid))]
+        if isinstance(layer.compress, DilatedConvCompression):
+
+            def alone():
+                flat = layer.compress(block.reshape(batch * count, rate, hidden), block_valid.reshape(-1, rate))
+                return flat[0].view(batch, count, hidden), flat[1].view(batch, count)
+
+            variants.append(("leading", alone))
+        for name, compress in variants:
+            buffers = (
+                memory.new_zeros(batch, layout.groups, hidden),
+                memory.new_zeros(batch, heads, layout.groups, head_dim),
+                memory.new_zeros(batch, heads, layout.groups, head_dim),
+                torch.zeros(batch, layout.groups, dtype=torch.bool, device=memory.device),
             )
-            compressed = compressed.view(batch, count, hidden)
-            state.leading[:, entries], state.leading_valid[:, entries] = compressed, compressed_valid.view(batch, count)
-            state.leading_keys[:, :, entries], state.leading_values[:, :, entries] = layer.project_memory(compressed)
+            if count:
+                compressed, compressed_valid = compress()
+                for buffer, value in zip(buffers, (compressed, *layer.project_memory(compressed), compressed_valid)):
+                    index = slots[None].expand(batch, -1)
+                    buffer.scatter_(_slot_dim(buffer), _slot_index(buffer, index), value)
+            for suffix, buffer in zip(("", "_keys", "_values", "_valid"), buffers):
+                setattr(state, name + suffix, buffer)
 
     @torch.no_grad()
     def _to_compact(self, cache) -> None:
@@ -1311,16 +1344,22 @@ class CompressiveModel(CompressivePreTrainedModel):
             state.clear_static()
         for name in CompressiveMemoryCache._ROWS:
             setattr(cache, name, None)
+        cache._host_rows = None
 
-    def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states):
+    def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states, tokens_real=False):
         """One token per row [batch, 1, hidden] through the static form. The token goes to its row's own slot;
         a row whose segment it completes evicts and compresses at once; every update is an in-place, fixed-shape
-        write selected per row (no branch on values, no host read)."""
-        layout, rate = cache._layout, self.config.compression_rate
+        write selected per row (no branch on values, no host read). `tokens_real`: the caller knows every token is
+        real (no attention mask); eager steps then follow the rows' fills on the host (`_host_rows`) and skip the
+        group compression and the eviction copies on the steps where no row needs them."""
+        layout, rate, segment = cache._layout, self.config.compression_rate, self.config.segment_length
         device = hidden_states.device
         seen, start = cache.rows_seen, cache.rows_start
         pending, compressed = cache.rows_pending, cache.rows_compressed
         write = layout.c_ring + seen % layout.ring  # [batch]: the new token's slot
+        host = cache._host_rows if tokens_real and not torch.compiler.is_compiling() else None
+        groups_complete = host is None or any((row[0] + 1) % rate == 0 for row in host)
+        segments_complete = host is None or any(row[2] + 1 == segment for row in host)
 
         # geometry of the held slots, shared by the layers: visibility and each slot's column in the relative table
         token_slots = torch.arange(layout.ring, device=device)
@@ -1337,18 +1376,22 @@ class CompressiveModel(CompressivePreTrainedModel):
         is_token = torch.arange(layout.slots, device=device) == write[:, None]
 
         # the memory update of rows whose segment this token completes
-        completes = token_valid & (pending + 1 == self.config.segment_length)
-        memory_len = seen + 1 - start - self.config.segment_length  # before the update, for completing rows
-        overflow = (memory_len + self.config.segment_length - layout.mem_len).clamp_min(0)
+        completes = token_valid & (pending + 1 == segment)
+        memory_len = seen + 1 - start - segment  # before the update, for completing rows
+        overflow = (memory_len + segment - layout.mem_len).clamp_min(0)
         evicted = torch.where(completes, -(-overflow // rate) * rate, 0)
         new_entries = evicted // rate
-        # grouped compression: the new token's group is compressed now (a partial group is rewritten when it
-        # completes; evictions only take complete groups)
-        group = seen // rate
-        span = 2 * rate if layout.grouped and self.config.compression_function == "dilated_conv" else rate
-        group_tokens = group[:, None] * rate + torch.arange(rate - span, rate, device=device)
-        group_slots = layout.c_ring + group_tokens % layout.ring
-        block_first = ((start // rate) % layout.c_ring)[:, None]  # the slot of an eviction block's first entry
+        entry_index = torch.arange(layout.max_new_entries, device=device)
+        targets = (compressed[:, None] + entry_index) % layout.c_ring  # [batch, max_new_entries]
+        takes = entry_index < new_entries[:, None]
+        if layout.grouped:
+            # the new token's group is compressed now (a partial group is rewritten when it completes; evictions
+            # only take complete groups), with the group before it for the dilated convolution
+            group = seen // rate
+            span = 2 * rate if self.config.compression_function == "dilated_conv" else rate
+            group_tokens = group[:, None] * rate + torch.arange(rate - span, rate, device=device)
+            group_slots = layout.c_ring + group_tokens % layout.ring
+            sources = ((start // rate)[:, None] + entry_index) % layout.groups  # the evicted groups' slots
 
         layer_outputs = []
         for layer, state in zip(self.layers, cache.layers):
@@ -1368,20 +1411,27 @@ class CompressiveModel(CompressivePreTrainedModel):
             )
             buffers = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
             if layout.grouped:
-                self._compress_group(layer, state, group, group_tokens, group_slots, layout)
-                if state.leading is not None:  # the block's first group, as the convolution sees it there
-                    leading = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
-                    for buffer, source in zip(buffers, leading):
-                        _write_slots(buffer, block_first, evicted[:, None] > 0, _gather_slots(source, block_first))
+                if groups_complete:
+                    self._compress_group(layer, state, group, group_tokens, group_slots, layout)
+                if segments_complete:
+                    grouped = (state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)
+                    entries = [_gather_slots(buffer, sources) for buffer in grouped]
+                    if state.leading is not None:  # a block's first group, as the convolution sees it there
+                        leading = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
+                        entries = [
+                            torch.cat([_gather_slots(lead, sources[:, :1]), rest.narrow(dim, 1, rest.shape[dim] - 1)],
+                                      dim=dim)
+                            for lead, rest, dim in ((a, b, _slot_dim(b)) for a, b in zip(leading, entries))
+                        ]  # fmt: skip
+                    for buffer, values in zip(buffers, entries):
+                        _write_slots(buffer, targets, takes, values)
             else:  # most used: the chosen tokens are copied into the compressed slots
                 received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
                 state.ring_usage.mul_(~is_token).add_(received)
-                chosen = self._select_most_used(layer, state, start, evicted, new_entries, layout)
-                entry_index = torch.arange(layout.max_new_entries, device=device)
-                targets = (compressed[:, None] + entry_index) % layout.c_ring
-                takes = entry_index < new_entries[:, None]
-                for buffer, values in zip(buffers, [_gather_slots(buffer, chosen) for buffer in buffers]):
-                    _write_slots(buffer, targets, takes, values)
+                if segments_complete:
+                    chosen = self._select_most_used(layer, state, start, evicted, new_entries, layout)
+                    for buffer, values in zip(buffers, [_gather_slots(buffer, chosen) for buffer in buffers]):
+                        _write_slots(buffer, targets, takes, values)
             layer_outputs.append(out)
             hidden_states = out
 
@@ -1393,17 +1443,28 @@ class CompressiveModel(CompressivePreTrainedModel):
         cache.rows_compressed.add_(new_entries)
         cache.rows_pending.copy_(torch.where(completes, 0, pending + token_valid))
         cache.rows_seen.add_(token_valid.long())
+        cache._host_rows = None if host is None else [self._host_step(row) for row in host]
         return hidden_states, layer_outputs if output_hidden_states else None
+
+    def _host_step(self, row: list[int]) -> list[int]:
+        """(seen, start, pending, compressed) of a row after one real token: the schedule, on the host."""
+        seen, start, pending, compressed = row
+        if pending + 1 < self.config.segment_length:
+            return [seen + 1, start, pending + 1, compressed]
+        rate = self.config.compression_rate
+        overflow = max(0, seen + 1 - start - self.config.mem_len)  # memory + segment beyond mem_len
+        evicted = -(-overflow // rate) * rate
+        return [seen + 1, start + evicted, 0, compressed + evicted // rate]
 
     def _compress_group(self, layer, state, group, group_tokens, group_slots, layout) -> None:
         """Compresses the group of the newest token (with the group before it for the dilated convolution) into
-        its entry slot, projected."""
+        its group slot, projected."""
         hidden = state.ring.shape[-1]
         members = state.ring.gather(1, group_slots[..., None].expand(-1, -1, hidden))  # [batch, span, hidden]
         real = state.ring_real.gather(1, group_slots) & (group_tokens >= 0)
-        slot = (group % layout.c_ring)[:, None]
+        slot = (group % layout.groups)[:, None]
         compressed, compressed_valid = (t[:, -1:] for t in layer.compress(members, real))  # [batch, 1, ...]
-        targets = [(state.ring, state.ring_keys, state.ring_values, state.ring_real)]
+        targets = [(state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)]
         results = [(compressed, *layer.project_memory(compressed), compressed_valid)]
         if state.leading is not None:
             rate = self.config.compression_rate
@@ -1676,9 +1737,12 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> dict:
         """Feeds only the tokens the cache has not seen; the (full-length) attention mask is mapped onto the
-        bounded memory inside forward."""
+        bounded memory inside forward. Decoding steps (one new token after the first iteration) pass no mask: the
+        token is one generate() appended, always real, and a forward without a mask knows it on the host."""
         cache = cache if cache is not None else past_key_values
         seen = cache.get_seq_length() if cache is not None else 0
+        if next_sequence_length == 1 and not is_first_iteration and seen:
+            attention_mask = None
         model_inputs = {"cache": cache, "attention_mask": attention_mask, "use_cache": use_cache}
         if inputs_embeds is not None and seen == 0 and is_first_iteration:
             model_inputs.update(input_ids=None, inputs_embeds=inputs_embeds)
