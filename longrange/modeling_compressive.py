@@ -274,6 +274,7 @@ class CompressiveMemoryCache(Cache):
         self.seen_tokens = 0
         self._layout = None  # StaticLayout, set by the model when it first builds the static form
         self._host_rows = None  # static form: each row's (seen, start, pending, compressed) when known on the host
+        self._groups_ready = False  # static form: whether the group buffers hold every held group
         for name in self._ROWS:
             setattr(self, name, None)
 
@@ -331,7 +332,8 @@ class CompressiveMemoryCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply_to_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-        self._host_rows = None  # the rows' order is on the device now
+        if self._host_rows is not None and any(row != self._host_rows[0] for row in self._host_rows):
+            self._host_rows = None  # rows at different fills, reordered on the device
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._apply_to_batch(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -354,17 +356,19 @@ class CompressiveMemoryCache(Cache):
         for name in self._ROWS:
             setattr(sub, name, getattr(self, name)[row : row + 1].clone())
         sub._host_rows = None if self._host_rows is None else [list(self._host_rows[row])]
+        sub._groups_ready = self._groups_ready
         return sub
 
     def put_row(self, row: int, sub: CompressiveMemoryCache) -> None:
         """Static form: writes the one-row static cache `sub` back into row `row`."""
         for layer, sub_layer in zip(self.layers, sub.layers):
             for name in CompressiveMemoryLayer._STATIC:
-                value = getattr(layer, name)
-                if value is not None:
-                    value[row : row + 1] = getattr(sub_layer, name)
+                value, sub_value = getattr(layer, name), getattr(sub_layer, name)
+                if value is not None and sub_value is not None:  # (group buffers may be stale: _groups_ready)
+                    value[row : row + 1] = sub_value
         for name in self._ROWS:
             getattr(self, name)[row : row + 1] = getattr(sub, name)
+        self._groups_ready = self._groups_ready and sub._groups_ready
         if self._host_rows is not None:
             if sub._host_rows is None:
                 self._host_rows = None
@@ -1283,42 +1287,42 @@ class CompressiveModel(CompressivePreTrainedModel):
             if self.track_usage:
                 state.ring_usage = torch.zeros(batch, layout.slots, dtype=torch.float32, device=device)
                 state.ring_usage[:, tokens] = torch.cat([state.mem_usage, state.pending_usage], dim=1)
-            else:
-                self._init_groups(layer, state, memory, memory_valid, c_len, layout)
             state.clear_compact()
+        cache._groups_ready = False  # compressed by the first branch-free step (see _materialize_groups)
 
-    def _init_groups(self, layer, state, memory, memory_valid, c_len, layout) -> None:
-        """The complete groups among the held tokens (numbered from rate * c_len, so their groups are c_len, ...)
-        compressed and projected into their group slots (and, for the dilated convolution, each group compressed
-        alone into the `leading` buffers)."""
+    def _materialize_groups(self, cache, layout) -> None:
+        """Compresses (and projects) every group of every row's held tokens into the group buffers, which
+        branch-free decoding steps then keep current (eager steps that follow the fills on the host compress at
+        eviction instead and leave the buffers stale). Groups are aligned on `start` (a multiple of the rate): the
+        first one is compressed as the first of a block (the oldest group is always evicted first)."""
         rate = self.config.compression_rate
-        batch, held, hidden = memory.shape
-        count = held // rate
-        block, block_valid = memory[:, : count * rate], memory_valid[:, : count * rate]
-        slots = (c_len + torch.arange(count, device=memory.device)) % layout.groups
-        heads, head_dim = layer.attention.num_heads, layer.attention.head_dim
-        variants = [("grouped", lambda: layer.compress(block, block_valid))]
-        if isinstance(layer.compress, DilatedConvCompression):
-
-            def alone():
-                flat = layer.compress(block.reshape(batch * count, rate, hidden), block_valid.reshape(-1, rate))
-                return flat[0].view(batch, count, hidden), flat[1].view(batch, count)
-
-            variants.append(("leading", alone))
-        for name, compress in variants:
-            buffers = (
-                memory.new_zeros(batch, layout.groups, hidden),
-                memory.new_zeros(batch, heads, layout.groups, head_dim),
-                memory.new_zeros(batch, heads, layout.groups, head_dim),
-                torch.zeros(batch, layout.groups, dtype=torch.bool, device=memory.device),
-            )
-            if count:
-                compressed, compressed_valid = compress()
-                for buffer, value in zip(buffers, (compressed, *layer.project_memory(compressed), compressed_valid)):
-                    index = slots[None].expand(batch, -1)
-                    buffer.scatter_(_slot_dim(buffer), _slot_index(buffer, index), value)
-            for suffix, buffer in zip(("", "_keys", "_values", "_valid"), buffers):
-                setattr(state, name + suffix, buffer)
+        count = layout.groups - 2  # ceil(ring / rate): every held group
+        start = cache.rows_start
+        tokens = start[:, None] + torch.arange(count * rate, device=start.device)  # [batch, count * rate]
+        slots = layout.c_ring + tokens % layout.ring
+        in_ring = tokens < cache.rows_seen[:, None]
+        group_slots = ((start // rate)[:, None] + torch.arange(count, device=start.device)) % layout.groups
+        for layer, state in zip(self.layers, cache.layers):
+            batch, hidden = state.ring.shape[0], state.ring.shape[-1]
+            heads, head_dim = layer.attention.num_heads, layer.attention.head_dim
+            block = _gather_slots(state.ring, slots)
+            block_valid = _gather_slots(state.ring_real, slots) & in_ring
+            variants = [("grouped", layer.compress(block, block_valid))]
+            if isinstance(layer.compress, DilatedConvCompression):  # each group also compressed alone
+                alone = layer.compress(block.reshape(batch * count, rate, hidden), block_valid.reshape(-1, rate))
+                variants.append(("leading", (alone[0].view(batch, count, hidden), alone[1].view(batch, count))))
+            for name, (compressed, compressed_valid) in variants:
+                values = (compressed, *layer.project_memory(compressed), compressed_valid)
+                buffers = (
+                    state.ring.new_zeros(batch, layout.groups, hidden),
+                    state.ring.new_zeros(batch, heads, layout.groups, head_dim),
+                    state.ring.new_zeros(batch, heads, layout.groups, head_dim),
+                    torch.zeros(batch, layout.groups, dtype=torch.bool, device=start.device),
+                )
+                for suffix, buffer, value in zip(("", "_keys", "_values", "_valid"), buffers, values):
+                    buffer.scatter_(_slot_dim(buffer), _slot_index(buffer, group_slots), value)
+                    setattr(state, name + suffix, buffer)
+        cache._groups_ready = True
 
     @torch.no_grad()
     def _to_compact(self, cache) -> None:
@@ -1358,8 +1362,9 @@ class CompressiveModel(CompressivePreTrainedModel):
         pending, compressed = cache.rows_pending, cache.rows_compressed
         write = layout.c_ring + seen % layout.ring  # [batch]: the new token's slot
         host = cache._host_rows if tokens_real and not torch.compiler.is_compiling() else None
-        groups_complete = host is None or any((row[0] + 1) % rate == 0 for row in host)
         segments_complete = host is None or any(row[2] + 1 == segment for row in host)
+        if host is not None:
+            cache._groups_ready = False  # eager steps compress at eviction and leave the group buffers stale
 
         # geometry of the held slots, shared by the layers: visibility and each slot's column in the relative table
         token_slots = torch.arange(layout.ring, device=device)
@@ -1384,9 +1389,11 @@ class CompressiveModel(CompressivePreTrainedModel):
         entry_index = torch.arange(layout.max_new_entries, device=device)
         targets = (compressed[:, None] + entry_index) % layout.c_ring  # [batch, max_new_entries]
         takes = entry_index < new_entries[:, None]
-        if layout.grouped:
-            # the new token's group is compressed now (a partial group is rewritten when it completes; evictions
-            # only take complete groups), with the group before it for the dilated convolution
+        if layout.grouped and host is None:
+            # branch-free: the new token's group is compressed now (a partial group is rewritten when it completes;
+            # evictions only take complete groups), with the group before it for the dilated convolution
+            if not cache._groups_ready:
+                self._materialize_groups(cache, layout)
             group = seen // rate
             span = 2 * rate if self.config.compression_function == "dilated_conv" else rate
             group_tokens = group[:, None] * rate + torch.arange(rate - span, rate, device=device)
@@ -1410,21 +1417,30 @@ class CompressiveModel(CompressivePreTrainedModel):
                 key_columns=columns,
             )
             buffers = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
-            if layout.grouped:
-                if groups_complete:
-                    self._compress_group(layer, state, group, group_tokens, group_slots, layout)
-                if segments_complete:
-                    grouped = (state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)
-                    entries = [_gather_slots(buffer, sources) for buffer in grouped]
-                    if state.leading is not None:  # a block's first group, as the convolution sees it there
-                        leading = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
-                        entries = [
-                            torch.cat([_gather_slots(lead, sources[:, :1]), rest.narrow(dim, 1, rest.shape[dim] - 1)],
-                                      dim=dim)
-                            for lead, rest, dim in ((a, b, _slot_dim(b)) for a, b in zip(leading, entries))
-                        ]  # fmt: skip
+            if layout.grouped and host is not None:
+                if segments_complete:  # the evicted blocks compressed at once, as the compact form does
+                    window = torch.arange(layout.max_new_entries * rate, device=device)
+                    window_slots = layout.c_ring + (start[:, None] + window) % layout.ring
+                    window_valid = _gather_slots(state.ring_real, window_slots) & (window < evicted[:, None])
+                    compressed_entries, entries_valid = layer.compress(
+                        _gather_slots(state.ring, window_slots), window_valid
+                    )
+                    entries = (compressed_entries, *layer.project_memory(compressed_entries), entries_valid)
                     for buffer, values in zip(buffers, entries):
                         _write_slots(buffer, targets, takes, values)
+            elif layout.grouped:
+                self._compress_group(layer, state, group, group_tokens, group_slots, layout)
+                grouped = (state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)
+                entries = [_gather_slots(buffer, sources) for buffer in grouped]
+                if state.leading is not None:  # a block's first group, as the convolution sees it there
+                    leading = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
+                    entries = [
+                        torch.cat([_gather_slots(lead, sources[:, :1]), rest.narrow(dim, 1, rest.shape[dim] - 1)],
+                                  dim=dim)
+                        for lead, rest, dim in ((a, b, _slot_dim(b)) for a, b in zip(leading, entries))
+                    ]  # fmt: skip
+                for buffer, values in zip(buffers, entries):
+                    _write_slots(buffer, targets, takes, values)
             else:  # most used: the chosen tokens are copied into the compressed slots
                 received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
                 state.ring_usage.mul_(~is_token).add_(received)
