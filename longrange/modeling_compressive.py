@@ -439,10 +439,10 @@ class ConvCompression(nn.Module):
         memories = memories * valid[..., None].to(memories.dtype)
         # kernel = stride = c: each output reads one group of c consecutive memories, so the convolution is a
         # linear map of the flattened groups (one matrix product, faster than the convolution kernel on CPU). The
-        # weight [out, in, tap] and the groups [tap, in] disagree on the flattening order: whichever is smaller is
-        # copied (the weight, or the memories when few, as in decoding, which compresses one group per step)
+        # weight [out, in, tap] and the groups [tap, in] disagree on the flattening order: one of them is copied,
+        # the weight, or the memories when they are a single group (decoding compresses one group per step)
         groups = memories.view(batch, n // self.rate, self.rate, hidden)
-        if batch * n < hidden * self.rate:
+        if n == self.rate:
             flat, weight = groups.transpose(2, 3).reshape(batch, n // self.rate, -1), self.conv.weight.flatten(1)
         else:
             flat = groups.reshape(batch, n // self.rate, -1)
