@@ -275,6 +275,7 @@ class CompressiveMemoryCache(Cache):
         self._layout = None  # StaticLayout, set by the model when it first builds the static form
         self._host_rows = None  # static form: each row's (seen, start, pending, compressed) when known on the host
         self._groups_ready = False  # static form: whether the group buffers hold every held group
+        self._step_geometry = None  # the last eager step's slot geometry, while it can be moved on by one token
         for name in self._ROWS:
             setattr(self, name, None)
 
@@ -320,9 +321,11 @@ class CompressiveMemoryCache(Cache):
         for name in self._ROWS:
             setattr(self, name, None)
         self._host_rows = None
+        self._step_geometry = None
         self.seen_tokens = 0
 
     def _apply_to_batch(self, fn) -> None:
+        self._step_geometry = None
         for layer in self.layers:
             layer.apply_to_batch(fn)
         for name in self._ROWS:
@@ -369,6 +372,7 @@ class CompressiveMemoryCache(Cache):
         for name in self._ROWS:
             getattr(self, name)[row : row + 1] = getattr(sub, name)
         self._groups_ready = self._groups_ready and sub._groups_ready
+        self._step_geometry = None
         if self._host_rows is not None:
             if sub._host_rows is None:
                 self._host_rows = None
@@ -409,6 +413,7 @@ class CompressiveMemoryCache(Cache):
         kept = history.gather(1, positions.clamp_min(0)[..., None].expand(-1, -1, 2))
         self.rows_history.copy_(torch.where((positions >= 0)[..., None], kept, -1))
         self.seen_tokens -= count
+        self._step_geometry = None
         self._host_rows = torch.stack(
             [self.rows_seen, self.rows_start, self.rows_pending, self.rows_compressed], dim=1
         ).tolist()
@@ -1099,7 +1104,9 @@ class CompressiveModel(CompressivePreTrainedModel):
             self._to_static(cache, hidden_states)
         batch, seq_len, _ = hidden_states.shape
         outputs = hidden_states.new_zeros(hidden_states.shape)
-        layer_outputs = [hidden_states.new_zeros(hidden_states.shape) for _ in self.layers]
+        layer_outputs = (
+            [hidden_states.new_zeros(hidden_states.shape) for _ in self.layers] if output_hidden_states else None
+        )
         layer_attentions = [None] * len(self.layers)
         losses = []
         for row in range(batch):
@@ -1265,6 +1272,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
         cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
         cache._host_rows = [[first + held, first, p_len, c_len] for _ in range(batch)]
+        cache._step_geometry = None
         # (start, compressed) before each of the last `history` segment completions; -1: not recorded
         cache.rows_history = torch.full((batch, layout.history, 2), -1, dtype=torch.long, device=device)
         tokens = layout.c_ring + (first + torch.arange(held, device=device)) % layout.ring
@@ -1348,7 +1356,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             state.clear_static()
         for name in CompressiveMemoryCache._ROWS:
             setattr(cache, name, None)
-        cache._host_rows = None
+        cache._host_rows = cache._step_geometry = None
 
     def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states, tokens_real=False):
         """One token per row [batch, 1, hidden] through the static form. The token goes to its row's own slot;
@@ -1366,29 +1374,25 @@ class CompressiveModel(CompressivePreTrainedModel):
         if host is not None:
             cache._groups_ready = False  # eager steps compress at eviction and leave the group buffers stale
 
-        # geometry of the held slots, shared by the layers: visibility and each slot's column in the relative table
-        token_slots = torch.arange(layout.ring, device=device)
-        held = token_slots + layout.ring * torch.div(seen[:, None] - token_slots, layout.ring, rounding_mode="floor")
-        c_slots = torch.arange(layout.c_ring, device=device)
-        entry = c_slots + layout.c_ring * torch.div(
-            compressed[:, None] - 1 - c_slots, layout.c_ring, rounding_mode="floor"
-        )  # newest compressed entry in each slot
-        entry_visible = (entry >= 0) & (entry >= compressed[:, None] - layout.c_mem_len)
-        token_visible = held >= start[:, None]  # held <= seen by construction
-        distance = torch.cat([(seen - start + compressed)[:, None] - entry, seen[:, None] - held], dim=1)
-        columns = (self._capacity - 1 - distance).clamp(0, self._capacity - 1)
-        in_window = torch.cat([entry_visible, token_visible], dim=1)  # [batch, slots]
-        is_token = torch.arange(layout.slots, device=device) == write[:, None]
-
-        # the memory update of rows whose segment this token completes
-        completes = token_valid & (pending + 1 == segment)
-        memory_len = seen + 1 - start - segment  # before the update, for completing rows
-        overflow = (memory_len + segment - layout.mem_len).clamp_min(0)
-        evicted = torch.where(completes, -(-overflow // rate) * rate, 0)
-        new_entries = evicted // rate
-        entry_index = torch.arange(layout.max_new_entries, device=device)
-        targets = (compressed[:, None] + entry_index) % layout.c_ring  # [batch, max_new_entries]
-        takes = entry_index < new_entries[:, None]
+        # geometry of the held slots, shared by the layers: visibility and each slot's column in the relative table.
+        # Between two segment completions, eager steps that follow the fills on the host only move it by one token.
+        if host is not None and cache._step_geometry is not None:
+            columns, in_window = cache._step_geometry
+            columns.sub_(1).clamp_min_(0).scatter_(1, write[:, None], self._capacity - 1)
+            in_window.scatter_(1, write[:, None], True)
+        else:
+            columns, in_window = self._geometry(cache, layout, write)
+        cache._step_geometry = (columns, in_window) if host is not None and not segments_complete else None
+        if segments_complete:
+            # the memory update of rows whose segment this token completes
+            completes = token_valid & (pending + 1 == segment)
+            memory_len = seen + 1 - start - segment  # before the update, for completing rows
+            overflow = (memory_len + segment - layout.mem_len).clamp_min(0)
+            evicted = torch.where(completes, -(-overflow // rate) * rate, 0)
+            new_entries = evicted // rate
+            entry_index = torch.arange(layout.max_new_entries, device=device)
+            targets = (compressed[:, None] + entry_index) % layout.c_ring  # [batch, max_new_entries]
+            takes = entry_index < new_entries[:, None]
         if layout.grouped and host is None:
             # branch-free: the new token's group is compressed now (a partial group is rewritten when it completes;
             # evictions only take complete groups), with the group before it for the dilated convolution
@@ -1405,7 +1409,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             hidden = hidden_states.shape[-1]
             state.ring.scatter_(1, write[:, None, None].expand(-1, 1, hidden), hidden_states)
             state.ring_real.scatter_(1, write[:, None], token_valid[:, None])
-            mask = (in_window & (state.ring_real | is_token))[:, None, None, :]
+            mask = (in_window & state.ring_real)[:, None, None, :]  # the new token is visible: written above
             out, _, _, _, weights = layer(
                 hidden_states,
                 state.rel_table,
@@ -1443,7 +1447,7 @@ class CompressiveModel(CompressivePreTrainedModel):
                     _write_slots(buffer, targets, takes, values)
             else:  # most used: the chosen tokens are copied into the compressed slots
                 received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
-                state.ring_usage.mul_(~is_token).add_(received)
+                state.ring_usage.scatter_(1, write[:, None], 0.0).add_(received)
                 if segments_complete:
                     chosen = self._select_most_used(layer, state, start, evicted, new_entries, layout)
                     for buffer, values in zip(buffers, [_gather_slots(buffer, chosen) for buffer in buffers]):
@@ -1451,16 +1455,38 @@ class CompressiveModel(CompressivePreTrainedModel):
             layer_outputs.append(out)
             hidden_states = out
 
-        if layout.history:
-            before = torch.stack([start, compressed], dim=1)[:, None]
-            shifted = torch.cat([cache.rows_history[:, 1:], before], dim=1)
-            cache.rows_history.copy_(torch.where(completes[:, None, None], shifted, cache.rows_history))
-        cache.rows_start.add_(evicted)
-        cache.rows_compressed.add_(new_entries)
-        cache.rows_pending.copy_(torch.where(completes, 0, pending + token_valid))
-        cache.rows_seen.add_(token_valid.long())
+        if not segments_complete:  # (followed on the host: every token real, no completion)
+            cache.rows_pending.add_(1)
+            cache.rows_seen.add_(1)
+        else:
+            if layout.history:
+                before = torch.stack([start, compressed], dim=1)[:, None]
+                shifted = torch.cat([cache.rows_history[:, 1:], before], dim=1)
+                cache.rows_history.copy_(torch.where(completes[:, None, None], shifted, cache.rows_history))
+            cache.rows_start.add_(evicted)
+            cache.rows_compressed.add_(new_entries)
+            cache.rows_pending.copy_(torch.where(completes, 0, pending + token_valid))
+            cache.rows_seen.add_(token_valid.long())
         cache._host_rows = None if host is None else [self._host_step(row) for row in host]
         return hidden_states, layer_outputs if output_hidden_states else None
+
+    def _geometry(self, cache, layout, write):
+        """[batch, slots] column of each slot in the relative table (capacity-1 minus the distance from the new
+        token, at slot `write`, to what the slot holds) and whether the slot is held (compressed memory, memory,
+        the unfinished segment, the token itself); padding slots are masked apart (`ring_real`)."""
+        seen, start, compressed = cache.rows_seen, cache.rows_start, cache.rows_compressed
+        device = seen.device
+        token_slots = torch.arange(layout.ring, device=device)
+        held = token_slots + layout.ring * torch.div(seen[:, None] - token_slots, layout.ring, rounding_mode="floor")
+        c_slots = torch.arange(layout.c_ring, device=device)
+        entry = c_slots + layout.c_ring * torch.div(
+            compressed[:, None] - 1 - c_slots, layout.c_ring, rounding_mode="floor"
+        )  # newest compressed entry in each slot
+        entry_visible = (entry >= 0) & (entry >= compressed[:, None] - layout.c_mem_len)
+        token_visible = held >= start[:, None]  # held <= seen by construction
+        distance = torch.cat([(seen - start + compressed)[:, None] - entry, seen[:, None] - held], dim=1)
+        columns = (self._capacity - 1 - distance).clamp(0, self._capacity - 1)
+        return columns, torch.cat([entry_visible, token_visible], dim=1)
 
     def _host_step(self, row: list[int]) -> list[int]:
         """(seen, start, pending, compressed) of a row after one real token: the schedule, on the host."""
