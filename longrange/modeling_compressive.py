@@ -1072,7 +1072,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         if cache.layers[0].is_empty:
             for layer_state in cache.layers:
                 layer_state.init_empty(hidden_states.detach(), self.track_usage)
-        if not masked:
+        if not masked or (counts is not None and counts[0] == valid.shape[1]):  # no padding: nothing to move
             return self._run_segments(hidden_states, valid, cache, output_hidden_states, output_attentions)
 
         batch, seq_len, hidden = hidden_states.shape
