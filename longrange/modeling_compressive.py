@@ -10,7 +10,9 @@ Memory schedule (per layer, after every complete segment, without gradient):
     layer's f_c, appended to the compressed memory, which keeps its newest c_mem_len entries.
 Each layer attends over [compressed memory, memory, current segment]; memories are fully visible (where valid),
 the current segment causally. Tokens of an unfinished segment are kept in the cache ("pending") so that decoding
-one token at a time follows exactly the segmenting of a single forward over the whole sequence.
+one token at a time follows exactly the segmenting of a single forward over the whole sequence. Segments count
+each row's real tokens only (padding never enters the memories). Decoding steps use the cache's static form
+(StaticLayout): fixed-size buffers and per-row counters, updated in place, so a step compiles to one graph.
 
 Only same-folder relative imports: `save_pretrained` copies them next to the weights, so a saved folder loads
 with `trust_remote_code=True` where `longrange` is not installed.

@@ -125,7 +125,14 @@ def test_pipeline_gives_the_same_texts_with_batch_size_1_and_8():
 
 
 @needs_traceable_outputs
-@pytest.mark.parametrize("options", [dict(), COMPRESSIONS[1], COMPRESSIONS[-1]])  # conv1d, dilated, most_used
+@pytest.mark.parametrize(
+    "options",  # conv1d; the dilated convolution (leading groups) and most-used (copies) paths compile more (slow)
+    [
+        dict(),
+        pytest.param(COMPRESSIONS[1], marks=pytest.mark.slow),
+        pytest.param(COMPRESSIONS[-1], marks=pytest.mark.slow),
+    ],
+)
 def test_static_decoding_step_is_one_graph_reads_nothing_back_and_compiles_fullgraph(options):
     model = tiny_model(**options)
     ids, mask = left_padded(prompts_of([13, 6]))
