@@ -10,7 +10,9 @@ Memory schedule (per layer, after every complete segment, without gradient):
     layer's f_c, appended to the compressed memory, which keeps its newest c_mem_len entries.
 Each layer attends over [compressed memory, memory, current segment]; memories are fully visible (where valid),
 the current segment causally. Tokens of an unfinished segment are kept in the cache ("pending") so that decoding
-one token at a time follows exactly the segmenting of a single forward over the whole sequence.
+one token at a time follows exactly the segmenting of a single forward over the whole sequence. Segments count
+each row's real tokens only (padding never enters the memories). Decoding steps use the cache's static form
+(StaticLayout): fixed-size buffers and per-row counters, updated in place, so a step compiles to one graph.
 
 Only same-folder relative imports: `save_pretrained` copies them next to the weights, so a saved folder loads
 with `trust_remote_code=True` where `longrange` is not installed.
@@ -26,10 +28,11 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .compat import cache_output
+from .compat import CACHE_NAME, cache_output
 from .configuration_compressive import CompressiveConfig
 from .layers import FeedForward, attend, blockwise_attention, check_token_ids, sinusoidal_embedding
 from .product_key_memory import ProductKeyMemory
@@ -40,20 +43,31 @@ from .product_key_memory import ProductKeyMemory
 
 
 class CompressiveMemoryLayer:
-    """One layer's memories. Every tensor is detached; batch is always dimension 0.
+    """One layer's memories, in one of two forms. Every tensor is detached; batch is always dimension 0.
 
-    c_mem [batch, c_len, hidden], mem [batch, m_len, hidden], pending [batch, p_len, hidden]: compressed memory,
-    memory and the layer inputs of the current unfinished segment, all un-normalised layer inputs. `*_valid`
-    [batch, len] bool marks slots that hold a real (non-padding) token. `mem_usage` / `pending_usage` [batch, len]
-    accumulate the attention each slot received (only for the "most_used" compression).
+    Compact form (multi-token forwards, training): c_mem [batch, c_len, hidden], mem [batch, m_len, hidden],
+    pending [batch, p_len, hidden]: compressed memory, memory and the layer inputs of the current unfinished
+    segment, all un-normalised layer inputs, the same lengths for every row. `*_valid` [batch, len] bool marks
+    slots that hold a real (non-padding) token. `mem_usage` / `pending_usage` [batch, len] accumulate the attention
+    each slot received (only for the "most_used" compression).
     `keys` / `values` [batch, heads, capacity, d_head] are buffers whose first `projected_len` entries hold the
-    projected keys/values of [c_mem, mem, pending] (capacity = c_mem_len + mem_len + segment_length, so a decoding
-    step writes its key in place instead of copying the whole memory), and `rel_table` [heads, d_head, capacity]
-    the projected relative encodings of distances capacity-1 ... 0. Both are kept only by inference (no-grad)
-    forwards, so that decoding a token never re-projects the memory.
+    projected keys/values of [c_mem, mem, pending] (capacity = c_mem_len + mem_len + segment_length, so a chunk
+    writes its keys in place instead of copying the whole memory), kept only by inference (no-grad) forwards.
+
+    Static form (one-token decoding; see StaticLayout): fixed-size buffers, each row at its own fill. `ring`
+    [batch, slots, hidden] holds the compressed-memory ring then the token ring, `ring_keys` / `ring_values`
+    [batch, heads, slots, d_head] their projections, `ring_real` [batch, slots] whether a slot holds a real token
+    (or a compressed slot with a real source), `ring_usage` [batch, slots] the attention received ("most_used").
+    `grouped*` [batch, groups, ...]: each group of `compression_rate` tokens compressed (and projected) as soon as
+    it is complete (grouped compressions), so an eviction only copies entries; `leading*` (dilated convolution
+    only) the same groups compressed as the first of an eviction block (the convolution reads the group before
+    otherwise).
+
+    `rel_table` [heads, d_head, capacity]: the projected relative encodings of distances capacity-1 ... 0, kept by
+    inference forwards in both forms.
     """
 
-    is_compileable = False
+    is_compileable = True
     is_sliding = False
     is_croppable = False
     supports_early_init = False
@@ -70,15 +84,39 @@ class CompressiveMemoryLayer:
         "keys",
         "values",
     )
+    _STATIC = (
+        "ring",
+        "ring_keys",
+        "ring_values",
+        "ring_real",
+        "ring_usage",
+        "grouped",
+        "grouped_keys",
+        "grouped_values",
+        "grouped_valid",
+        "leading",
+        "leading_keys",
+        "leading_values",
+        "leading_valid",
+    )
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        for name in self._BATCHED:
+        for name in self._BATCHED + self._STATIC:
             setattr(self, name, None)
         self.rel_table = None
         self.projected_len = 0
+
+    def clear_compact(self) -> None:
+        for name in self._BATCHED:
+            setattr(self, name, None)
+        self.projected_len = 0
+
+    def clear_static(self) -> None:
+        for name in self._STATIC:
+            setattr(self, name, None)
 
     def drop_projections(self) -> None:
         self.keys = self.values = self.rel_table = None
@@ -98,14 +136,15 @@ class CompressiveMemoryLayer:
 
     @property
     def is_empty(self) -> bool:
-        return self.mem is None
+        return self.mem is None and self.ring is None
 
     @property
     def batch_size(self) -> int:
-        return -1 if self.mem is None else self.mem.shape[0]
+        held = self.mem if self.mem is not None else self.ring
+        return -1 if held is None else held.shape[0]
 
     def lengths(self) -> tuple[int, int, int]:
-        """(c_len, m_len, p_len)."""
+        """(c_len, m_len, p_len) of the compact form."""
         return self.c_mem.shape[1], self.mem.shape[1], self.pending.shape[1]
 
     def context(self) -> torch.Tensor:
@@ -126,58 +165,260 @@ class CompressiveMemoryLayer:
             self.pending_usage = self.mem_usage
 
     def apply_to_batch(self, fn) -> None:
-        for name in self._BATCHED:
+        for name in self._BATCHED + self._STATIC:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, fn(value))
 
 
+@dataclass(frozen=True)
+class StaticLayout:
+    """Sizes of the static (decoding) form of the cache, from the config.
+
+    Per row and layer, the attended buffers hold `c_ring` compressed slots then `ring` token slots. Tokens are
+    numbered per row, counting only tokens the row really has (padding never enters): token a lives in slot
+    c_ring + a % ring, compressed entry e (the e-th produced) in slot e % c_ring. A row's counters say which are
+    held: tokens [start, seen) (memory, then the `pending` tokens of its unfinished segment) and compressed
+    entries [compressed - c_mem_len, compressed). The relative distance of a query token q to token a is q - a, to
+    compressed entry e (q - start) + (compressed - e): exactly its distance in the compact layout
+    [c_mem, mem, pending].
+    Evictions take whole groups of `rate` tokens (start is a multiple of the rate). With a compression that maps
+    each group to one entry on its own (`grouped`: all but "most_used"), each group (token a in group a // rate)
+    is compressed and projected as soon as it is complete, into group slot (a // rate) % groups of separate
+    buffers; an eviction copies its groups' entries into the compressed slots.
+    A cache that can be cropped by up to `margin` tokens keeps `margin` more token and group slots, and compressed
+    slots for the entries of the completions a crop may undo, with the counters before its last `history`
+    completions: a crop then only rewinds the counters.
+    """
+
+    c_mem_len: int
+    mem_len: int
+    segment_length: int
+    rate: int
+    grouped: bool
+    margin: int = 0
+
+    @property
+    def history(self) -> int:
+        return -(-self.margin // self.segment_length) + 1 if self.margin else 0
+
+    @property
+    def max_new_entries(self) -> int:
+        # an eviction takes at most ceil(segment_length / rate) * rate tokens (the memory never exceeds mem_len)
+        return -(-self.segment_length // self.rate)
+
+    @property
+    def ring(self) -> int:
+        # a full memory, an unfinished segment and the new token, plus the tokens a crop may take back
+        return self.mem_len + self.segment_length + self.margin
+
+    @property
+    def c_ring(self) -> int:
+        # one eviction's entries land in distinct slots; those of the completions a crop undoes stay
+        undone = self.history - 1 if self.margin else 0
+        return max(self.c_mem_len, self.max_new_entries) + undone * self.max_new_entries
+
+    @property
+    def slots(self) -> int:
+        return self.c_ring + self.ring
+
+    @property
+    def groups(self) -> int:
+        return -(-self.ring // self.rate) + 2  # every group from `start` to the newest token, with room to spare
+
+
+def _slot_dim(buffer: torch.Tensor) -> int:
+    # static buffers: [batch, slots], [batch, slots, hidden] or [batch, heads, slots, d_head]
+    return 2 if buffer.dim() == 4 else 1
+
+
+def _slot_index(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    # index [batch, n] over the slots of `buffer`, expanded to gather/scatter whole slots
+    if buffer.dim() == 4:
+        return index[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
+    if buffer.dim() == 3:
+        return index[..., None].expand(-1, -1, buffer.shape[2])
+    return index
+
+
+def _gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return buffer.gather(_slot_dim(buffer), _slot_index(buffer, index))
+
+
+def _write_slots(buffer: torch.Tensor, index: torch.Tensor, take: torch.Tensor, values: torch.Tensor) -> None:
+    """buffer's slots `index` [batch, n] (distinct per row) <- values where take [batch, n], unchanged elsewhere."""
+    full_index = _slot_index(buffer, index)
+    dim = _slot_dim(buffer)
+    take = take.view(*take.shape[:1], *([1] * (dim - 1)), take.shape[1], *([1] * (buffer.dim() - dim - 1)))
+    buffer.scatter_(dim, full_index, torch.where(take, values, buffer.gather(dim, full_index)))
+
+
 class CompressiveMemoryCache(Cache):
     """Memories and compressed memories of every layer, plus the number of tokens seen.
 
-    Its size is bounded by `mem_len + c_mem_len + segment_length` slots per layer, however long the sequence.
-    Returned in the model output's `cache` field; pass it back as `cache=` (or `past_key_values=`) to continue.
+    Its size is bounded by `mem_len + c_mem_len + segment_length` slots per layer (plus fixed-size ring slack in
+    the static form), however long the sequence. Returned in the model output's `cache` field; pass it back as
+    `cache=` (or `past_key_values=`) to continue.
+
+    Multi-token forwards keep it in the compact form (every row at the same fill); one-token decoding steps in the
+    static form, whose shapes never change and whose per-row counters `rows_seen`, `rows_start`, `rows_pending`,
+    `rows_compressed` [batch] (long tensors; see StaticLayout) are updated in place, so a decoding step compiles
+    to one graph that reads nothing back to the host. The model converts between the forms as needed.
     """
 
-    def __init__(self, num_hidden_layers: int):
+    _ROWS = ("rows_seen", "rows_start", "rows_pending", "rows_compressed", "rows_history")
+
+    def __init__(self, num_hidden_layers: int, crop_margin: int = 0):
         super().__init__(layers=[CompressiveMemoryLayer() for _ in range(num_hidden_layers)])
+        if not isinstance(crop_margin, int) or crop_margin < 0:
+            raise ValueError(f"crop_margin must be an int >= 0 (most tokens one crop removes), got {crop_margin!r}")
+        self.crop_margin = crop_margin
         self.seen_tokens = 0
+        self._layout = None  # StaticLayout, set by the model when it first builds the static form
+        self._host_rows = None  # static form: each row's (seen, start, pending, compressed) when known on the host
+        self._groups_ready = False  # static form: whether the group buffers hold every held group
+        self._step_geometry = None  # the last eager step's slot geometry, while it can be moved on by one token
+        for name in self._ROWS:
+            setattr(self, name, None)
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        return True
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can take back up to `crop_margin` tokens (a cache built with crop_margin > 0)."""
+        return self.crop_margin > 0
+
+    @property
+    def is_static(self) -> bool:
+        return self.rows_seen is not None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen so far (not the number of slots held, which stays bounded)."""
+        """Tokens seen so far, padding included (not the number of slots held, which stays bounded)."""
         return self.seen_tokens
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
+    def row_lengths(self) -> list[tuple[int, int, int]]:
+        """Static form: (c_len, m_len, p_len) of every row, read back to the host."""
+        c_len = self.rows_compressed.clamp_max(self._layout.c_mem_len)
+        m_len = self.rows_seen - self.rows_start - self.rows_pending
+        return [tuple(row) for row in torch.stack([c_len, m_len, self.rows_pending], dim=1).tolist()]
+
     def memory_slots(self) -> int:
-        """Slots held by one layer (compressed + memory + pending); bounded whatever the number of tokens seen."""
+        """Slots held by one layer (compressed + memory + pending, the fullest row); bounded whatever the number of
+        tokens seen."""
         layer = self.layers[0]
-        return 0 if layer.is_empty else sum(layer.lengths())
+        if layer.is_empty:
+            return 0
+        if self.is_static:
+            return max(sum(row) for row in self.row_lengths())
+        return sum(layer.lengths())
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        for name in self._ROWS:
+            setattr(self, name, None)
+        self._host_rows = None
+        self._step_geometry = None
         self.seen_tokens = 0
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def _apply_to_batch(self, fn) -> None:
+        self._step_geometry = None
         for layer in self.layers:
-            layer.apply_to_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+            layer.apply_to_batch(fn)
+        for name in self._ROWS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply_to_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        if self._host_rows is not None and any(row != self._host_rows[0] for row in self._host_rows):
+            self._host_rows = None  # rows at different fills, reordered on the device
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        for layer in self.layers:
-            layer.apply_to_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._apply_to_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self._host_rows is not None:
+            self._host_rows = [list(row) for row in self._host_rows for _ in range(repeats)]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.apply_to_batch(lambda t: t[indices])
+        self._apply_to_batch(lambda t: t[indices])
+        self._host_rows = None
+
+    def select_row(self, row: int) -> CompressiveMemoryCache:
+        """Static form: a new cache holding row `row` alone (copies)."""
+        sub = CompressiveMemoryCache(len(self.layers))
+        sub._layout = self._layout
+        for layer, sub_layer in zip(self.layers, sub.layers):
+            for name in CompressiveMemoryLayer._STATIC:
+                value = getattr(layer, name)
+                setattr(sub_layer, name, None if value is None else value[row : row + 1].clone())
+            sub_layer.rel_table = layer.rel_table
+        for name in self._ROWS:
+            setattr(sub, name, getattr(self, name)[row : row + 1].clone())
+        sub._host_rows = None if self._host_rows is None else [list(self._host_rows[row])]
+        sub._groups_ready = self._groups_ready
+        return sub
+
+    def put_row(self, row: int, sub: CompressiveMemoryCache) -> None:
+        """Static form: writes the one-row static cache `sub` back into row `row`."""
+        for layer, sub_layer in zip(self.layers, sub.layers):
+            for name in CompressiveMemoryLayer._STATIC:
+                value, sub_value = getattr(layer, name), getattr(sub_layer, name)
+                if value is not None and sub_value is not None:  # (group buffers may be stale: _groups_ready)
+                    value[row : row + 1] = sub_value
+        for name in self._ROWS:
+            getattr(self, name)[row : row + 1] = getattr(sub, name)
+        self._groups_ready = self._groups_ready and sub._groups_ready
+        self._step_geometry = None
+        if self._host_rows is not None:
+            if sub._host_rows is None:
+                self._host_rows = None
+            else:
+                self._host_rows[row] = list(sub._host_rows[0])
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("CompressiveMemoryCache cannot be cropped: evicted memories are compressed")
+        """Removes the last -tokens_to_remove tokens of every row (transformers' convention: a number <= 0),
+        restoring the memories exactly as they were before those tokens: the counters are rewound (to their
+        values before the segment completions undone); the static buffers still hold what they pointed to.
+        The removed tokens must be real tokens of every row (as generate() appends them)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a number <= 0, got {tokens_to_remove}")
+        count = -tokens_to_remove
+        if count == 0 or self.layers[0].is_empty:
+            return
+        if count > self.crop_margin:
+            raise ValueError(
+                f"cannot crop {count} tokens: this CompressiveMemoryCache keeps what a crop needs for "
+                f"crop_margin={self.crop_margin} tokens (create it with a larger crop_margin)"
+            )
+        if not self.is_static:
+            raise ValueError("crop needs the cache's inference form: only caches of no-grad forwards can be cropped")
+        layout = self._layout
+        seen, pending, history = self.rows_seen, self.rows_pending, self.rows_history
+        undone = torch.where(count > pending, (count - pending - 1) // layout.segment_length + 1, 0)  # completions
+        slot = (layout.history - undone).clamp(0, layout.history - 1)
+        restored = history.gather(1, slot[:, None, None].expand(-1, 1, 2))[:, 0]  # [batch, 2]
+        rewind = undone > 0
+        if bool((rewind & (restored[:, 0] < 0)).any()):
+            raise ValueError(f"cannot crop {count} tokens: the segment completions to undo were not recorded")
+        self.rows_start.copy_(torch.where(rewind, restored[:, 0], self.rows_start))
+        self.rows_compressed.copy_(torch.where(rewind, restored[:, 1], self.rows_compressed))
+        self.rows_pending.copy_(pending - count + undone * layout.segment_length)
+        self.rows_seen.sub_(count)
+        # the undone completions leave the history: entries move back by `undone`
+        positions = torch.arange(layout.history, device=seen.device)[None] - undone[:, None]  # [batch, history]
+        kept = history.gather(1, positions.clamp_min(0)[..., None].expand(-1, -1, 2))
+        self.rows_history.copy_(torch.where((positions >= 0)[..., None], kept, -1))
+        self.seen_tokens -= count
+        self._step_geometry = None
+        self._host_rows = torch.stack(
+            [self.rows_seen, self.rows_start, self.rows_pending, self.rows_compressed], dim=1
+        ).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,10 +445,16 @@ class ConvCompression(nn.Module):
         batch, n, hidden = memories.shape
         memories = memories * valid[..., None].to(memories.dtype)
         # kernel = stride = c: each output reads one group of c consecutive memories, so the convolution is a
-        # linear map of the flattened groups (one matrix product, faster than the convolution kernel on CPU)
-        weight = self.conv.weight.transpose(1, 2).reshape(hidden, self.rate * hidden)  # [out, (tap, in)]
-        compressed = F.linear(memories.reshape(batch, n // self.rate, self.rate * hidden), weight, self.conv.bias)
-        return compressed, _group_any(valid, self.rate)
+        # linear map of the flattened groups (one matrix product, faster than the convolution kernel on CPU). The
+        # weight [out, in, tap] and the groups [tap, in] disagree on the flattening order: one of them is copied,
+        # the weight, or the memories when they are a single group (decoding compresses one group per step)
+        groups = memories.view(batch, n // self.rate, self.rate, hidden)
+        if n == self.rate:
+            flat, weight = groups.transpose(2, 3).reshape(batch, n // self.rate, -1), self.conv.weight.flatten(1)
+        else:
+            flat = groups.reshape(batch, n // self.rate, -1)
+            weight = self.conv.weight.transpose(1, 2).reshape(hidden, self.rate * hidden)  # [out, (tap, in)]
+        return F.linear(flat, weight, self.conv.bias), _group_any(valid, self.rate)
 
 
 class DilatedConvCompression(nn.Module):
@@ -267,11 +514,24 @@ class MostUsedCompression(nn.Module):
         self.rate = rate
 
     def forward(self, memories, valid, usage):
-        keep = memories.shape[1] // self.rate
-        score = usage.float().masked_fill(~valid, float("-inf"))
-        chosen = score.topk(keep, dim=1).indices.sort(dim=1).values  # [batch, n / c]
+        chosen, chosen_valid = self.select(valid, usage)
         compressed = memories.gather(1, chosen[..., None].expand(-1, -1, memories.shape[-1]))
-        return compressed, valid.gather(1, chosen)
+        return compressed, chosen_valid
+
+    def select(self, valid, usage, keep=None):
+        """[batch, n] validity and usage -> the chosen slots [batch, n / c] in temporal order and their validity.
+        `keep` [batch] (static decoding, where each row evicts its own number of memories from a fixed window):
+        only the first keep[b] chosen slots of row b count (the top keep[b] of its valid slots, in temporal order;
+        the rest are marked invalid)."""
+        slots = valid.shape[1] // self.rate
+        score = usage.float().masked_fill(~valid, float("-inf"))
+        ranked = score.topk(slots, dim=1).indices  # [batch, n / c], best first
+        if keep is None:
+            chosen = ranked.sort(dim=1).values
+            return chosen, valid.gather(1, chosen)
+        kept = torch.arange(slots, device=valid.device) < keep[:, None]
+        chosen = ranked.masked_fill(~kept, valid.shape[1]).sort(dim=1).values.clamp_max(valid.shape[1] - 1)
+        return chosen, valid.gather(1, chosen) & kept
 
 
 COMPRESSION_CLASSES = {
@@ -361,9 +621,13 @@ class CompressiveAttention(nn.Module):
         relative: torch.Tensor,
         mask: torch.Tensor,
         need_weights: bool = False,
+        key_columns: torch.Tensor | None = None,
     ):
         """query_input [batch, q, hidden] (normalised segment inputs); keys/values [batch, heads, K, d_head] over
-        [c_mem, mem, pending, segment]; relative [heads, d_head, K] for distances K-1 ... 0; mask [batch, 1, q, K]."""
+        [c_mem, mem, pending, segment]; relative [heads, d_head, K] for distances K-1 ... 0; mask [batch, 1, q, K].
+        With `key_columns` [batch, K] (one query per row, keys in any order: the static decoding cache), key j's
+        position term is read from column key_columns[:, j] of `relative` (which then covers every distance)
+        instead of the compact layout's shift."""
         batch, q_len, hidden = query_input.shape
         query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
         kernel = self.kernel(query_input.device, need_weights)
@@ -384,7 +648,12 @@ class CompressiveAttention(nn.Module):
         # position scores: (q + v) . r for every distance, then shifted to (query, key) pairs, passed to the kernel
         # as an additive bias (which receives its gradient); the scale is folded into the small query
         position_query = (query + self.position_bias[:, None]) * self.scale
-        position = relative_shift(torch.matmul(position_query, relative))  # [batch, heads, q, K]
+        position = torch.matmul(position_query, relative)  # [batch, heads, q, distances]
+        if key_columns is None:
+            position = relative_shift(position)  # [batch, heads, q, K]
+        else:
+            columns = key_columns[:, None, None, :].expand(batch, self.num_heads, q_len, -1)
+            position = position.gather(-1, columns)
         result = attend(
             query + self.content_bias[:, None],
             keys,
@@ -491,6 +760,8 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         memory_tail_kv: torch.Tensor | None = None,
+        write_index: torch.Tensor | None = None,
+        key_columns: torch.Tensor | None = None,
     ):
         """hidden_states [batch, q, hidden]: this chunk's layer inputs; relative [heads, d_head, K]: projected
         encodings of distances K-1 ... 0 (positional, like hidden_states: it carries gradient to r_proj). Either
@@ -499,7 +770,10 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         [batch, heads, capacity, d_head] holding M = `memory_length` projected entries; the chunk's keys/values
         are written into them in place. Memories are passed under these names, never `cache`, so gradient
         checkpointing keeps them. `memory_tail_kv` [batch, F, 2 * hidden]: the key/value projection of the last F
-        memories when this forward already computed it (they are the previous chunk's inputs).
+        memories when this forward already computed it (they are the previous chunk's inputs). Static decoding
+        (one token per row): `write_index` [batch] is the slot of each row's token in the buffers, which are
+        attended whole, and `key_columns` [batch, capacity] each slot's column of `relative` (see
+        CompressiveAttention.forward).
         Returns (output [batch, q, hidden], the chunk's queries [batch, heads, q, d_head], keys and values
         [batch, heads, M + q, d_head] of everything attended, attention probabilities or None); the reconstruction
         loss reuses the queries and keys/values (detached) instead of projecting them again."""
@@ -511,12 +785,19 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
             memory_keys, memory_values = self.project_memory(memory, memory_tail_kv)
             keys = torch.cat([memory_keys, new_keys], dim=2)
             values = torch.cat([memory_values, new_values], dim=2)
+        elif write_index is not None:
+            index = write_index[:, None, None, None].expand(-1, new_keys.shape[1], 1, new_keys.shape[3])
+            memory_keys.scatter_(2, index, new_keys)
+            memory_values.scatter_(2, index, new_values)
+            keys, values = memory_keys, memory_values
         else:
             end = memory_length + new_keys.shape[2]
             memory_keys[:, :, memory_length:end] = new_keys
             memory_values[:, :, memory_length:end] = new_values
             keys, values = memory_keys[:, :, :end], memory_values[:, :, :end]
-        attn_out, weights, query = self.attention(query_input, keys, values, relative, attention_mask, need_weights)
+        attn_out, weights, query = self.attention(
+            query_input, keys, values, relative, attention_mask, need_weights, key_columns
+        )
         hidden_states = self.attn_output_norm(hidden_states + self.dropout(attn_out))
         ff_out = self.feed_forward(self.ff_input_norm(hidden_states))
         hidden_states = self.ff_output_norm(hidden_states + self.dropout(ff_out))
@@ -636,7 +917,11 @@ class CompressivePreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["CompressiveDecoderLayer"]
     _supports_sdpa = True
-    _is_stateful = True
+    _can_compile_fullgraph = True
+    # not stateful for generate(): a croppable cache (crop_margin > 0) restores memories exactly, so assisted
+    # decoding may verify and reject draft tokens (with "most_used" the cache is not croppable and transformers
+    # refuses assisted decoding for that reason)
+    _is_stateful = False
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear, Conv1d, ConvTranspose1d, Embedding, LayerNorm
@@ -694,6 +979,11 @@ class CompressiveModel(CompressivePreTrainedModel):
             cache = past_key_values
         if cache is not None and not isinstance(cache, CompressiveMemoryCache):
             raise TypeError(f"cache must be a CompressiveMemoryCache, got {type(cache).__name__}")
+        if cache is not None and cache.crop_margin and self.track_usage:
+            raise ValueError(
+                "a CompressiveMemoryCache with crop_margin > 0 (croppable, e.g. for assisted decoding) needs a "
+                "compression_function other than 'most_used' (its choice depends on attention a crop cannot undo)"
+            )
         if use_cache is None:
             use_cache = config.use_cache and not self.training
         output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
@@ -705,11 +995,152 @@ class CompressiveModel(CompressivePreTrainedModel):
             cache = CompressiveMemoryCache(config.num_hidden_layers)
         elif not cache.layers[0].is_empty and cache.layers[0].batch_size != batch:
             raise ValueError(f"cache holds batch size {cache.layers[0].batch_size}, inputs have batch size {batch}")
+        valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
+
+        # decoding (one token, no gradient): the static form, each row at its own fill, fixed shapes, nothing read
+        # back to the host. A croppable cache also takes the last crop_margin tokens of longer calls one at a
+        # time, so that a crop finds what it needs in the static buffers.
+        stepped = 0
+        if not torch.is_grad_enabled() and not output_attentions:
+            stepped = seq_len if seq_len == 1 else min(seq_len, cache.crop_margin)
+        head = seq_len - stepped
+        layer_outputs, layer_attentions, reconstruction_losses = [], None, []
+        if head:
+            outputs, layer_outputs, layer_attentions, reconstruction_losses = self._forward_tokens(
+                hidden_states[:, :head],
+                valid[:, :head],
+                cache,
+                attention_mask is not None,
+                use_cache,
+                output_hidden_states,
+                output_attentions,
+            )
+        if stepped:
+            if not cache.is_static:
+                self._to_static(cache, hidden_states)
+            steps = [
+                self._decode_step(
+                    hidden_states[:, t : t + 1], valid[:, t], cache, output_hidden_states, attention_mask is None
+                )
+                for t in range(head, seq_len)
+            ]
+            step_outputs = torch.cat([out for out, _ in steps], dim=1)
+            outputs = torch.cat([outputs, step_outputs], dim=1) if head else step_outputs
+            if output_hidden_states:
+                step_layers = [torch.cat(layer, dim=1) for layer in zip(*(hidden for _, hidden in steps))]
+                if head:
+                    step_layers = [torch.cat(pair, dim=1) for pair in zip(layer_outputs, step_layers)]
+                layer_outputs = step_layers
+        cache.seen_tokens += seq_len
+
+        all_hidden = None
+        final = self.norm(outputs)
+        if output_hidden_states:
+            all_hidden = (hidden_states, *layer_outputs[:-1], final)
+        reconstruction_loss = torch.stack(reconstruction_losses).mean() if reconstruction_losses else None
+        if reconstruction_loss is None and self.training and torch.is_grad_enabled():
+            if config.reconstruction_loss != "none":
+                # no memory was evicted in this call: an exact zero that still touches every f_c (and decoder)
+                # parameter, so data-parallel training sees the same parameters used on every step
+                params = [p for layer in self.layers for p in self._compression_parameters(layer)]
+                reconstruction_loss = torch.stack([p.sum() for p in params]).sum() * 0.0
+        result = CompressiveModelOutput(
+            last_hidden_state=final,
+            cache=cache if use_cache else None,
+            hidden_states=all_hidden,
+            attentions=tuple(layer_attentions) if output_attentions else None,
+            reconstruction_loss=reconstruction_loss,
+        )
+        return result if return_dict else result.to_tuple()
+
+    def _forward_tokens(self, hidden_states, valid, cache, masked, use_cache, output_hidden_states, output_attentions):
+        """Any number of tokens through the compact form. Each row's real tokens are moved to the front first (a
+        stable sort of the mask, undone on the outputs), so segments and memory slots count real tokens only:
+        a row's outputs do not depend on its padding. Trailing padding left by a shorter row would still enter
+        that row's memory, so when the cache is kept and rows hold different numbers of real tokens (or the
+        cache's rows are at different fills), the rows run one at a time (`_forward_rows`)."""
+        split = False
+        if cache.is_static:
+            lengths = cache.row_lengths()  # multi-token calls may read the fills back; decoding steps never do
+            split = any(row != lengths[0] for row in lengths)
+        counts = None
+        if masked and (use_cache or split):
+            counts = valid.sum(dim=1).tolist()
+            split = split or any(count != counts[0] for count in counts)
+        if split:
+            return self._forward_rows(hidden_states, valid, cache, output_hidden_states, output_attentions)
+        if cache.is_static:
+            self._to_compact(cache)
         if cache.layers[0].is_empty:
             for layer_state in cache.layers:
                 layer_state.init_empty(hidden_states.detach(), self.track_usage)
-        valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
+        if not masked or (counts is not None and counts[0] == valid.shape[1]):  # no padding: nothing to move
+            return self._run_segments(hidden_states, valid, cache, output_hidden_states, output_attentions)
 
+        batch, seq_len, hidden = hidden_states.shape
+        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices  # real tokens first, in order
+        kept = seq_len if counts is None else counts[0]  # a kept cache takes no all-padding columns
+        order = order[:, :kept]
+        rolled = hidden_states.gather(1, order[..., None].expand(-1, -1, hidden))
+        outputs, layer_outputs, layer_attentions, losses = self._run_segments(
+            rolled, valid.gather(1, order), cache, output_hidden_states, output_attentions
+        )
+
+        def unroll(tensor, dim):
+            shape = list(tensor.shape)
+            shape[dim] = seq_len
+            index = order.view(batch, *([1] * (dim - 1)), kept, *([1] * (tensor.dim() - dim - 1)))
+            return tensor.new_zeros(shape).scatter(dim, index.expand_as(tensor), tensor)
+
+        outputs = unroll(outputs, 1)
+        if output_hidden_states:
+            layer_outputs = [unroll(h, 1) for h in layer_outputs]
+        if output_attentions:
+            layer_attentions = [unroll(a, 2) for a in layer_attentions]
+        return outputs, layer_outputs, layer_attentions, losses
+
+    def _forward_rows(self, hidden_states, valid, cache, output_hidden_states, output_attentions):
+        """Rows one at a time (each on its real tokens only, from its own fill); the cache is left in the static
+        form, where rows may differ."""
+        if not cache.is_static:
+            self._to_static(cache, hidden_states)
+        batch, seq_len, _ = hidden_states.shape
+        outputs = hidden_states.new_zeros(hidden_states.shape)
+        layer_outputs = (
+            [hidden_states.new_zeros(hidden_states.shape) for _ in self.layers] if output_hidden_states else None
+        )
+        layer_attentions = [None] * len(self.layers)
+        losses = []
+        for row in range(batch):
+            index = valid[row].nonzero()[:, 0]
+            if index.numel() == 0:
+                continue
+            sub = cache.select_row(row)
+            self._to_compact(sub)
+            out, hidden, attentions, row_losses = self._run_segments(
+                hidden_states[row : row + 1, index], valid[row : row + 1, index], sub, output_hidden_states,
+                output_attentions,
+            )  # fmt: skip
+            self._to_static(sub, hidden_states)
+            cache.put_row(row, sub)
+            outputs[row, index] = out[0]
+            losses.extend(row_losses)
+            for i in range(len(self.layers)):
+                if output_hidden_states:
+                    layer_outputs[i][row, index] = hidden[i][0]
+                if output_attentions:
+                    if layer_attentions[i] is None:
+                        layer_attentions[i] = attentions[i].new_zeros(batch, *attentions[i].shape[1:2], seq_len,
+                                                                      attentions[i].shape[3])  # fmt: skip
+                    layer_attentions[i][row, :, index] = attentions[i][0]
+        return outputs, layer_outputs, layer_attentions, losses
+
+    def _run_segments(self, hidden_states, valid, cache, output_hidden_states, output_attentions):
+        """The compact form's segment loop: [batch, seq, hidden] layer-0 inputs -> (last layer's outputs, each
+        layer's outputs (with output_hidden_states), each layer's attentions (with output_attentions),
+        reconstruction losses)."""
+        config = self.config
+        seq_len = hidden_states.shape[1]
         # projected memories are reused only when nothing is trained (weights cannot change under a no-grad call)
         reuse_projections = not torch.is_grad_enabled()
         if reuse_projections:
@@ -724,7 +1155,6 @@ class CompressiveModel(CompressivePreTrainedModel):
             max_keys = min(self._capacity, cache.memory_slots() + seq_len)
             relative_tables = [self._relative_table(layer, max_keys, hidden_states) for layer in self.layers]
 
-        all_hidden = [hidden_states] if output_hidden_states else None
         outputs, per_layer_outputs = [], [[] for _ in self.layers] if output_hidden_states else None
         per_layer_attentions = [[] for _ in self.layers] if output_attentions else None
         reconstruction_losses = []
@@ -754,26 +1184,12 @@ class CompressiveModel(CompressivePreTrainedModel):
                 for layer_attentions, weights in zip(per_layer_attentions, chunk_attentions):
                     layer_attentions.append(weights)
             start = end
-
-        hidden_states = self.norm(torch.cat(outputs, dim=1))
-        if output_hidden_states:
-            all_hidden.extend(torch.cat(h, dim=1) for h in per_layer_outputs[:-1])
-            all_hidden.append(hidden_states)
-        reconstruction_loss = torch.stack(reconstruction_losses).mean() if reconstruction_losses else None
-        if reconstruction_loss is None and self.training and torch.is_grad_enabled():
-            if config.reconstruction_loss != "none":
-                # no memory was evicted in this call: an exact zero that still touches every f_c (and decoder)
-                # parameter, so data-parallel training sees the same parameters used on every step
-                params = [p for layer in self.layers for p in self._compression_parameters(layer)]
-                reconstruction_loss = torch.stack([p.sum() for p in params]).sum() * 0.0
-        result = CompressiveModelOutput(
-            last_hidden_state=hidden_states,
-            cache=cache if use_cache else None,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(torch.cat(a, dim=2) for a in per_layer_attentions) if output_attentions else None,
-            reconstruction_loss=reconstruction_loss,
+        return (
+            torch.cat(outputs, dim=1),
+            [torch.cat(h, dim=1) for h in per_layer_outputs] if output_hidden_states else None,
+            [torch.cat(a, dim=2) for a in per_layer_attentions] if output_attentions else None,
+            reconstruction_losses,
         )
-        return result if return_dict else result.to_tuple()
 
     @staticmethod
     def _compression_parameters(layer) -> list[nn.Parameter]:
@@ -824,6 +1240,293 @@ class CompressiveModel(CompressivePreTrainedModel):
         # the K keys of any chunk read the last K columns (a view)
         distances = torch.arange(length - 1, -1, -1, device=like.device)
         return layer.attention.project_relative(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The static form (StaticLayout): conversions and the one-token decoding step
+    # ------------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _to_static(self, cache, like: torch.Tensor) -> None:
+        """Compact form (every row at the same fill; empty allowed) -> static form, numbering the held tokens from
+        0 (distances only depend on differences) and the compressed entries likewise."""
+        config = self.config
+        layout = StaticLayout(
+            config.c_mem_len,
+            config.mem_len,
+            config.segment_length,
+            config.compression_rate,
+            grouped=not self.track_usage,
+            margin=cache.crop_margin,
+        )
+        cache._layout = layout
+        if cache.layers[0].is_empty:
+            for layer_state in cache.layers:
+                layer_state.init_empty(like.detach(), self.track_usage)
+        c_len, m_len, p_len = cache.layers[0].lengths()
+        held = m_len + p_len
+        batch, device = cache.layers[0].mem.shape[0], like.device
+
+        def counter(value):
+            return torch.full((batch,), value, dtype=torch.long, device=device)
+
+        # tokens numbered from rate * c_len (start = rate * compressed always; see StaticLayout)
+        first = self.config.compression_rate * c_len
+        cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
+        cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
+        cache._host_rows = [[first + held, first, p_len, c_len] for _ in range(batch)]
+        cache._step_geometry = None
+        # (start, compressed) before each of the last `history` segment completions; -1: not recorded
+        cache.rows_history = torch.full((batch, layout.history, 2), -1, dtype=torch.long, device=device)
+        tokens = layout.c_ring + (first + torch.arange(held, device=device)) % layout.ring
+        for layer, state in zip(self.layers, cache.layers):
+            if state.rel_table is None:
+                state.rel_table = self._relative_table(layer, self._capacity, state.mem)
+            if state.keys is None:
+                state.store_projected(*layer.project_memory(state.context()), self._capacity)
+            keys, values = state.projected()
+            memory = torch.cat([state.mem, state.pending], dim=1)
+            memory_valid = torch.cat([state.mem_valid, state.pending_valid], dim=1)
+            state.ring = state.mem.new_zeros(batch, layout.slots, state.mem.shape[-1])
+            state.ring[:, :c_len], state.ring[:, tokens] = state.c_mem, memory
+            state.ring_real = torch.zeros(batch, layout.slots, dtype=torch.bool, device=device)
+            state.ring_real[:, :c_len], state.ring_real[:, tokens] = state.c_mem_valid, memory_valid
+            state.ring_keys = keys.new_zeros(batch, keys.shape[1], layout.slots, keys.shape[3])
+            state.ring_values = torch.zeros_like(state.ring_keys)
+            for buffer, projected in ((state.ring_keys, keys), (state.ring_values, values)):
+                buffer[:, :, :c_len], buffer[:, :, tokens] = projected[:, :, :c_len], projected[:, :, c_len:]
+            if self.track_usage:
+                state.ring_usage = torch.zeros(batch, layout.slots, dtype=torch.float32, device=device)
+                state.ring_usage[:, tokens] = torch.cat([state.mem_usage, state.pending_usage], dim=1)
+            state.clear_compact()
+        cache._groups_ready = False  # compressed by the first branch-free step (see _materialize_groups)
+
+    def _materialize_groups(self, cache, layout) -> None:
+        """Compresses (and projects) every group of every row's held tokens into the group buffers, which
+        branch-free decoding steps then keep current (eager steps that follow the fills on the host compress at
+        eviction instead and leave the buffers stale). Groups are aligned on `start` (a multiple of the rate): the
+        first one is compressed as the first of a block (the oldest group is always evicted first)."""
+        rate = self.config.compression_rate
+        count = layout.groups - 2  # ceil(ring / rate): every held group
+        start = cache.rows_start
+        tokens = start[:, None] + torch.arange(count * rate, device=start.device)  # [batch, count * rate]
+        slots = layout.c_ring + tokens % layout.ring
+        in_ring = tokens < cache.rows_seen[:, None]
+        group_slots = ((start // rate)[:, None] + torch.arange(count, device=start.device)) % layout.groups
+        for layer, state in zip(self.layers, cache.layers):
+            batch, hidden = state.ring.shape[0], state.ring.shape[-1]
+            heads, head_dim = layer.attention.num_heads, layer.attention.head_dim
+            block = _gather_slots(state.ring, slots)
+            block_valid = _gather_slots(state.ring_real, slots) & in_ring
+            variants = [("grouped", layer.compress(block, block_valid))]
+            if isinstance(layer.compress, DilatedConvCompression):  # each group also compressed alone
+                alone = layer.compress(block.reshape(batch * count, rate, hidden), block_valid.reshape(-1, rate))
+                variants.append(("leading", (alone[0].view(batch, count, hidden), alone[1].view(batch, count))))
+            for name, (compressed, compressed_valid) in variants:
+                values = (compressed, *layer.project_memory(compressed), compressed_valid)
+                buffers = (
+                    state.ring.new_zeros(batch, layout.groups, hidden),
+                    state.ring.new_zeros(batch, heads, layout.groups, head_dim),
+                    state.ring.new_zeros(batch, heads, layout.groups, head_dim),
+                    torch.zeros(batch, layout.groups, dtype=torch.bool, device=start.device),
+                )
+                for suffix, buffer, value in zip(("", "_keys", "_values", "_valid"), buffers, values):
+                    buffer.scatter_(_slot_dim(buffer), _slot_index(buffer, group_slots), value)
+                    setattr(state, name + suffix, buffer)
+        cache._groups_ready = True
+
+    @torch.no_grad()
+    def _to_compact(self, cache) -> None:
+        """Static form whose rows are all at the same fill -> compact form (reads the fills back to the host)."""
+        layout = cache._layout
+        c_len, m_len, p_len = cache.row_lengths()[0]
+        device = cache.rows_seen.device
+        c_index = (cache.rows_compressed[:, None] - c_len + torch.arange(c_len, device=device)) % layout.c_ring
+        held = torch.arange(m_len + p_len, device=device)
+        token_index = layout.c_ring + (cache.rows_start[:, None] + held) % layout.ring
+        index = torch.cat([c_index, token_index], dim=1)  # [batch, c + m + p], in compact order
+        for state in cache.layers:
+            context = state.ring.gather(1, index[..., None].expand(-1, -1, state.ring.shape[-1]))
+            state.c_mem, state.mem, state.pending = context.split([c_len, m_len, p_len], dim=1)
+            real = state.ring_real.gather(1, index)
+            state.c_mem_valid, state.mem_valid, state.pending_valid = real.split([c_len, m_len, p_len], dim=1)
+            kv_index = index[:, None, :, None].expand(-1, state.ring_keys.shape[1], -1, state.ring_keys.shape[3])
+            keys, values = state.ring_keys.gather(2, kv_index), state.ring_values.gather(2, kv_index)
+            state.store_projected(keys, values, self._capacity)
+            if self.track_usage:
+                usage = state.ring_usage.gather(1, token_index)
+                state.mem_usage, state.pending_usage = usage.split([m_len, p_len], dim=1)
+            state.clear_static()
+        for name in CompressiveMemoryCache._ROWS:
+            setattr(cache, name, None)
+        cache._host_rows = cache._step_geometry = None
+
+    def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states, tokens_real=False):
+        """One token per row [batch, 1, hidden] through the static form. The token goes to its row's own slot;
+        a row whose segment it completes evicts and compresses at once; every update is an in-place, fixed-shape
+        write selected per row (no branch on values, no host read). `tokens_real`: the caller knows every token is
+        real (no attention mask); eager steps then follow the rows' fills on the host (`_host_rows`) and skip the
+        group compression and the eviction copies on the steps where no row needs them."""
+        layout, rate, segment = cache._layout, self.config.compression_rate, self.config.segment_length
+        device = hidden_states.device
+        seen, start = cache.rows_seen, cache.rows_start
+        pending, compressed = cache.rows_pending, cache.rows_compressed
+        write = layout.c_ring + seen % layout.ring  # [batch]: the new token's slot
+        host = cache._host_rows if tokens_real and not torch.compiler.is_compiling() else None
+        segments_complete = host is None or any(row[2] + 1 == segment for row in host)
+        if host is not None:
+            cache._groups_ready = False  # eager steps compress at eviction and leave the group buffers stale
+
+        # geometry of the held slots, shared by the layers: visibility and each slot's column in the relative table.
+        # Between two segment completions, eager steps that follow the fills on the host only move it by one token.
+        if host is not None and cache._step_geometry is not None:
+            columns, in_window = cache._step_geometry
+            columns.sub_(1).clamp_min_(0).scatter_(1, write[:, None], self._capacity - 1)
+            in_window.scatter_(1, write[:, None], True)
+        else:
+            columns, in_window = self._geometry(cache, layout, write)
+        cache._step_geometry = (columns, in_window) if host is not None and not segments_complete else None
+        if segments_complete:
+            # the memory update of rows whose segment this token completes
+            completes = token_valid & (pending + 1 == segment)
+            memory_len = seen + 1 - start - segment  # before the update, for completing rows
+            overflow = (memory_len + segment - layout.mem_len).clamp_min(0)
+            evicted = torch.where(completes, -(-overflow // rate) * rate, 0)
+            new_entries = evicted // rate
+            entry_index = torch.arange(layout.max_new_entries, device=device)
+            targets = (compressed[:, None] + entry_index) % layout.c_ring  # [batch, max_new_entries]
+            takes = entry_index < new_entries[:, None]
+        if layout.grouped and host is None:
+            # branch-free: the new token's group is compressed now (a partial group is rewritten when it completes;
+            # evictions only take complete groups), with the group before it for the dilated convolution
+            if not cache._groups_ready:
+                self._materialize_groups(cache, layout)
+            group = seen // rate
+            span = 2 * rate if self.config.compression_function == "dilated_conv" else rate
+            group_tokens = group[:, None] * rate + torch.arange(rate - span, rate, device=device)
+            group_slots = layout.c_ring + group_tokens % layout.ring
+            sources = ((start // rate)[:, None] + entry_index) % layout.groups  # the evicted groups' slots
+
+        layer_outputs = []
+        for layer, state in zip(self.layers, cache.layers):
+            hidden = hidden_states.shape[-1]
+            state.ring.scatter_(1, write[:, None, None].expand(-1, 1, hidden), hidden_states)
+            state.ring_real.scatter_(1, write[:, None], token_valid[:, None])
+            mask = (in_window & state.ring_real)[:, None, None, :]  # the new token is visible: written above
+            out, _, _, _, weights = layer(
+                hidden_states,
+                state.rel_table,
+                memory_keys=state.ring_keys,
+                memory_values=state.ring_values,
+                attention_mask=mask,
+                need_weights=self.track_usage,
+                write_index=write,
+                key_columns=columns,
+            )
+            buffers = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
+            if layout.grouped and host is not None:
+                if segments_complete:  # the evicted blocks compressed at once, as the compact form does
+                    window = torch.arange(layout.max_new_entries * rate, device=device)
+                    window_slots = layout.c_ring + (start[:, None] + window) % layout.ring
+                    window_valid = _gather_slots(state.ring_real, window_slots) & (window < evicted[:, None])
+                    compressed_entries, entries_valid = layer.compress(
+                        _gather_slots(state.ring, window_slots), window_valid
+                    )
+                    entries = (compressed_entries, *layer.project_memory(compressed_entries), entries_valid)
+                    for buffer, values in zip(buffers, entries):
+                        _write_slots(buffer, targets, takes, values)
+            elif layout.grouped:
+                self._compress_group(layer, state, group, group_tokens, group_slots, layout)
+                grouped = (state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)
+                entries = [_gather_slots(buffer, sources) for buffer in grouped]
+                if state.leading is not None:  # a block's first group, as the convolution sees it there
+                    leading = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
+                    entries = [
+                        torch.cat([_gather_slots(lead, sources[:, :1]), rest.narrow(dim, 1, rest.shape[dim] - 1)],
+                                  dim=dim)
+                        for lead, rest, dim in ((a, b, _slot_dim(b)) for a, b in zip(leading, entries))
+                    ]  # fmt: skip
+                for buffer, values in zip(buffers, entries):
+                    _write_slots(buffer, targets, takes, values)
+            else:  # most used: the chosen tokens are copied into the compressed slots
+                received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
+                state.ring_usage.scatter_(1, write[:, None], 0.0).add_(received)
+                if segments_complete:
+                    chosen = self._select_most_used(layer, state, start, evicted, new_entries, layout)
+                    for buffer, values in zip(buffers, [_gather_slots(buffer, chosen) for buffer in buffers]):
+                        _write_slots(buffer, targets, takes, values)
+            layer_outputs.append(out)
+            hidden_states = out
+
+        if not segments_complete:  # (followed on the host: every token real, no completion)
+            cache.rows_pending.add_(1)
+            cache.rows_seen.add_(1)
+        else:
+            if layout.history:
+                before = torch.stack([start, compressed], dim=1)[:, None]
+                shifted = torch.cat([cache.rows_history[:, 1:], before], dim=1)
+                cache.rows_history.copy_(torch.where(completes[:, None, None], shifted, cache.rows_history))
+            cache.rows_start.add_(evicted)
+            cache.rows_compressed.add_(new_entries)
+            cache.rows_pending.copy_(torch.where(completes, 0, pending + token_valid))
+            cache.rows_seen.add_(token_valid.long())
+        cache._host_rows = None if host is None else [self._host_step(row) for row in host]
+        return hidden_states, layer_outputs if output_hidden_states else None
+
+    def _geometry(self, cache, layout, write):
+        """[batch, slots] column of each slot in the relative table (capacity-1 minus the distance from the new
+        token, at slot `write`, to what the slot holds) and whether the slot is held (compressed memory, memory,
+        the unfinished segment, the token itself); padding slots are masked apart (`ring_real`)."""
+        seen, start, compressed = cache.rows_seen, cache.rows_start, cache.rows_compressed
+        device = seen.device
+        token_slots = torch.arange(layout.ring, device=device)
+        held = token_slots + layout.ring * torch.div(seen[:, None] - token_slots, layout.ring, rounding_mode="floor")
+        c_slots = torch.arange(layout.c_ring, device=device)
+        entry = c_slots + layout.c_ring * torch.div(
+            compressed[:, None] - 1 - c_slots, layout.c_ring, rounding_mode="floor"
+        )  # newest compressed entry in each slot
+        entry_visible = (entry >= 0) & (entry >= compressed[:, None] - layout.c_mem_len)
+        token_visible = held >= start[:, None]  # held <= seen by construction
+        distance = torch.cat([(seen - start + compressed)[:, None] - entry, seen[:, None] - held], dim=1)
+        columns = (self._capacity - 1 - distance).clamp(0, self._capacity - 1)
+        return columns, torch.cat([entry_visible, token_visible], dim=1)
+
+    def _host_step(self, row: list[int]) -> list[int]:
+        """(seen, start, pending, compressed) of a row after one real token: the schedule, on the host."""
+        seen, start, pending, compressed = row
+        if pending + 1 < self.config.segment_length:
+            return [seen + 1, start, pending + 1, compressed]
+        rate = self.config.compression_rate
+        overflow = max(0, seen + 1 - start - self.config.mem_len)  # memory + segment beyond mem_len
+        evicted = -(-overflow // rate) * rate
+        return [seen + 1, start + evicted, 0, compressed + evicted // rate]
+
+    def _compress_group(self, layer, state, group, group_tokens, group_slots, layout) -> None:
+        """Compresses the group of the newest token (with the group before it for the dilated convolution) into
+        its group slot, projected."""
+        hidden = state.ring.shape[-1]
+        members = state.ring.gather(1, group_slots[..., None].expand(-1, -1, hidden))  # [batch, span, hidden]
+        real = state.ring_real.gather(1, group_slots) & (group_tokens >= 0)
+        slot = (group % layout.groups)[:, None]
+        compressed, compressed_valid = (t[:, -1:] for t in layer.compress(members, real))  # [batch, 1, ...]
+        targets = [(state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)]
+        results = [(compressed, *layer.project_memory(compressed), compressed_valid)]
+        if state.leading is not None:
+            rate = self.config.compression_rate
+            compressed, compressed_valid = layer.compress(members[:, -rate:], real[:, -rate:])
+            targets.append((state.leading, state.leading_keys, state.leading_values, state.leading_valid))
+            results.append((compressed, *layer.project_memory(compressed), compressed_valid))
+        for buffers, values in zip(targets, results):
+            for buffer, value in zip(buffers, values):
+                buffer.scatter_(_slot_dim(buffer), _slot_index(buffer, slot), value)
+
+    def _select_most_used(self, layer, state, start, evicted, new_entries, layout) -> torch.Tensor:
+        """Most-used compression: the slots [batch, max_new_entries] of the tokens each row keeps from its evicted
+        block (the first new_entries[b] count), in temporal order."""
+        window = torch.arange(layout.max_new_entries * self.config.compression_rate, device=start.device)
+        window_slots = layout.c_ring + (start[:, None] + window) % layout.ring
+        valid = state.ring_real.gather(1, window_slots) & (window < evicted[:, None])
+        chosen, _ = layer.compress.select(valid, state.ring_usage.gather(1, window_slots), new_entries)
+        return window_slots.gather(1, chosen)
 
     def _forward_chunk(
         self, hidden_states, valid, cache, relative_tables, reconstruction_losses, recent_kv, output_attentions=False
@@ -887,7 +1590,6 @@ class CompressiveModel(CompressivePreTrainedModel):
                     reconstruction_losses.append(loss)
             layer_outputs.append(out)
             hidden_states = out
-        cache.seen_tokens += q_len
         return hidden_states, layer_outputs, layer_attentions
 
     def _slot_layout(self, weights: torch.Tensor, state) -> torch.Tensor:
@@ -992,6 +1694,19 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the cache holds memories, not keys/values: forward creates a CompressiveMemoryCache
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        """generate() starts from an empty CompressiveMemoryCache (unless given one), so that it sees a compileable
+        cache and compiles the decoding steps where it compiles (CUDA; any device with `compile_config`). Assisted
+        and prompt-lookup decoding (and an assistant model's own generate) get a croppable one: it can take back
+        as many tokens as one generate() call adds, at least 64 and two segments."""
+        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
+            margin = 0
+            assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+            if assisted and self.config.compression_function != "most_used":
+                margin = max(64, 2 * self.config.segment_length, (generation_config.max_new_tokens or 0) + 1)
+            model_kwargs[CACHE_NAME] = CompressiveMemoryCache(self.config.num_hidden_layers, crop_margin=margin)
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1066,9 +1781,12 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> dict:
         """Feeds only the tokens the cache has not seen; the (full-length) attention mask is mapped onto the
-        bounded memory inside forward."""
+        bounded memory inside forward. Decoding steps (one new token after the first iteration) pass no mask: the
+        token is one generate() appended, always real, and a forward without a mask knows it on the host."""
         cache = cache if cache is not None else past_key_values
         seen = cache.get_seq_length() if cache is not None else 0
+        if next_sequence_length == 1 and not is_first_iteration and seen:
+            attention_mask = None
         model_inputs = {"cache": cache, "attention_mask": attention_mask, "use_cache": use_cache}
         if inputs_embeds is not None and seen == 0 and is_first_iteration:
             model_inputs.update(input_ids=None, inputs_embeds=inputs_embeds)
