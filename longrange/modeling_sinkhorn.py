@@ -700,27 +700,31 @@ class CausalSinkhornHeads(nn.Module):
         by index, one block copy each.
 
         Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
-        (n_top + 1) * bucket_size keys. host: None (static step), or (positions, real, epoch) on the host for a
+        (n_top + 1) * bucket_size keys. host: None (static step), or (positions, real, epoch, memo) for a
         host-following step (see `SinkhornCache`), which reuses the window of the last step when no row entered
-        a new bucket."""
+        a new bucket, and the index tensors of the step's other groups of the same shape (memo)."""
         size, off = self.bucket_size, self.offset
         b, h, _, d = q.shape
-        u = torch.div(position + off, size, rounding_mode="floor")  # [b]
-        counted = real & (u > 0) if self.skip_first else real  # tokens that enter the routing summaries
-        new_k = k[:, :, 0].float() * counted[:, None, None]  # [b, h, d]
+        if host is None:
+            ix = self._step_index(position, real, b, h, d)
+        else:
+            key = (size, off, self.skip_first, self.n_top, b, h, d)
+            ix = host[3].get(key) or host[3].setdefault(key, self._step_index(position, real, b, h, d))
+        u, counted = ix["u"], ix["counted"]
+        new_k = k[:, :, 0].float() * ix["weight"][:, None, None]  # [b, h, d]
         if self.running_key_summary:
             state["k_run_sum"].add_(new_k)
-            state["k_run_count"].add_(counted.float())
+            state["k_run_count"].add_(ix["weight"])
             run = state["k_run_sum"] / state["k_run_count"].clamp_min(1)[:, None, None]
-            new_k = run * counted[:, None, None]
-        state["k_sum"].scatter_add_(2, u[:, None, None, None].expand(b, h, 1, d), new_k[:, :, None])
-        state["k_count"].scatter_add_(1, u[:, None], counted.float()[:, None])
-        state["queries"].scatter_(2, position[:, None, None, None].expand(b, h, 1, d), q.to(state["queries"].dtype))
+            new_k = run * ix["weight"][:, None, None]
+        state["k_sum"].scatter_add_(2, ix["bucket"], new_k[:, :, None])
+        state["k_count"].scatter_add_(1, u[:, None], ix["weight"][:, None])
+        state["queries"].scatter_(2, ix["token"], q.to(state["queries"].dtype))
         if host is None:
             self.route_step(q, position, counted, state, u=u)
             keys_all, values_all, bias = self._window(keys, values, heads, position, u, state, q.dtype)
         else:
-            positions, reals, epoch = host
+            positions, reals, epoch, _ = host
             buckets = [(p + off) // size for p in positions]
             lead = any(
                 r and (p + off) % size == 0 and not (self.skip_first and p + off < size)
@@ -733,12 +737,31 @@ class CausalSinkhornHeads(nn.Module):
                 state["window"] = window
             else:  # the same buckets: the new token joins the own bucket (its last `size` slots)
                 _, keys_all, values_all, bias = window
-                slot = (keys_all.shape[2] - size + (position + off) % size)[:, None, None, None]
-                keys_all.scatter_(2, slot.expand(b, h, 1, d), k.to(keys_all.dtype))
-                values_all.scatter_(2, slot.expand(b, h, 1, d), v.to(values_all.dtype))
-                bias.scatter_(3, slot.expand(b, h, 1, 1), 0.0)
+                slot = ix["own"]  # [b, h, 1, d]
+                keys_all.scatter_(2, slot, k.to(keys_all.dtype))
+                values_all.scatter_(2, slot, v.to(values_all.dtype))
+                bias.scatter_(3, slot[..., :1], 0.0)
             _, keys_all, values_all, bias = window
+            # up to the last own-bucket slot any row has reached (the keys after it are masked in every row)
+            end = keys_all.shape[2] - size + 1 + max((p + off) % size for p in positions)
+            keys_all, values_all, bias = keys_all[:, :, :end], values_all[:, :, :end], bias[..., :end]
         return attend(q, keys_all, values_all, bias=bias, implementation=self.implementation)
+
+    def _step_index(self, position, real, b, h, d):
+        """The index tensors of a step: query bucket u [b], the tokens that enter the routing summaries (bool and
+        float [b]), and for [b, h, ., d] buffers the slots of u, of the token and of its own-bucket window slot."""
+        size, off = self.bucket_size, self.offset
+        u = torch.div(position + off, size, rounding_mode="floor")
+        counted = real & (u > 0) if self.skip_first else real
+        own = self.n_top * size + (position + off) % size  # the window: the chosen buckets, then the own bucket
+        return dict(
+            u=u,
+            counted=counted,
+            weight=counted.float(),
+            bucket=u[:, None, None, None].expand(b, h, 1, d),
+            token=position[:, None, None, None].expand(b, h, 1, d),
+            own=own[:, None, None, None].expand(b, h, 1, d),
+        )
 
     def _window(self, keys, values, heads, position, u, state, dtype):
         """Keys, values [b, h, K, d] and additive mask [b, h, 1, K] of the chosen buckets of the current query bucket
@@ -1082,7 +1105,7 @@ class SinkhornSelfAttention(nn.Module):
     def _step(self, q, k, v, layer_cache):
         owner = layer_cache.owner
         position, real = owner.lengths, owner.step_real  # [b] each
-        host = None if owner.step_host is None else (*owner.step_host, owner.host_epoch)
+        host = None if owner.step_host is None else (*owner.step_host, owner.host_epoch, owner.step_memo)
         keys, values = layer_cache.append_kv(k, v, position)  # [b, H, slots, d]
         outs = []
         for i, (group, (s, e)) in enumerate(zip(self.groups, self.slices)):
@@ -1495,6 +1518,7 @@ class SinkhornCache(Cache):
         self.step_real = None  # [b] during a decoding step: whether the row's new token is real
         self.on_host = False  # set by begin_prefill: buffers on the CPU and not static_steps (`follows_host`)
         self.step_host = None  # during a host-following step: (positions, real) of every row, Python lists
+        self.step_memo = None  # and the index tensors its layers share (see CausalSinkhornHeads.step)
         self.host_epoch = 0  # bumped whenever the state changes outside host-following steps (windows go stale)
         self._compiled_step = False  # a compiled step ran since the last eager one (windows are stale)
 
@@ -1548,13 +1572,13 @@ class SinkhornCache(Cache):
         if self.follows_host:
             if self._compiled_step:
                 self.host_epoch, self._compiled_step = self.host_epoch + 1, False
-            self.step_host = (self.lengths.tolist(), real.tolist())
+            self.step_host, self.step_memo = (self.lengths.tolist(), real.tolist()), {}
         self.token_mask.scatter_(1, self.seen.view(1, 1).expand(real.shape[0], 1), real[:, None])
 
     def end_step(self, real: torch.Tensor) -> None:
         self.lengths.add_(real.long())
         self.seen.add_(1)
-        self.step_real = self.step_host = None
+        self.step_real = self.step_host = self.step_memo = None
         if torch.compiler.is_compiling():
             self._seen_host = None
             self._compiled_step = True  # (written, never read, in the graph: no guard on it)
