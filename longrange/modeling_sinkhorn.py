@@ -1483,9 +1483,9 @@ class SinkhornCache(Cache):
     host in eager steps, since there reading a tensor is no device sync: a causal Sinkhorn head group then keeps
     the keys/values of its current query buckets (chosen buckets, own bucket so far) in a working window, built
     from the cache only when some row enters a new bucket and otherwise extended by the new token, and skips
-    routing on the steps where no row starts a bucket. Same numbers as the static step, several times fewer
-    operators. Compiled steps, every step of a cache on an accelerator and, with `static_steps=True`, every step,
-    take the static path.
+    routing on the steps where no row starts a bucket: the static step's numbers (up to float rounding: the
+    window is cut after the last slot any row reached) with far fewer operators. Compiled steps, every step of a
+    cache on an accelerator and, with `static_steps=True`, every step take the static path.
     """
 
     def __init__(

@@ -114,9 +114,10 @@ def test_generate_sizes_a_static_compileable_cache():
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_host_following_cpu_steps_equal_static_steps_and_skip_routing_between_bucket_starts(variant):
-    """Eager CPU steps read positions on the host and reuse their working windows between bucket starts: the same
-    logits as the static steps (which compiled decoding runs) at every step, through bucket starts of both head
-    offsets and a padding step; a step that starts no bucket runs no routing (sort / top-k) and fewer operators."""
+    """Eager CPU steps read positions on the host and reuse their working windows between bucket starts: the logits
+    of the static steps (which compiled decoding runs) at every step, to float rounding (the window is cut after
+    the last slot reached), through bucket starts of both head offsets and a padding step; a step that starts no
+    bucket runs no routing (sort / top-k) and fewer operators."""
     model = causal_lm(seed=6, **VARIANTS[variant])
     ids, mask = left_pad(prompts_of([9, 5], seed=15))
     tokens = torch.randint(1, 40, (2, 11), generator=torch.Generator().manual_seed(16))
