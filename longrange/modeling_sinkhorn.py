@@ -665,15 +665,18 @@ class CausalSinkhornHeads(nn.Module):
         earlier = torch.arange(counts.shape[1], device=counts.device)[None] < u[:, None]
         return sk, earlier & (counts > 0)
 
-    def route_step(self, q, position, real, state, sk=None, k_valid=None, u=None):
+    def route_step(self, q, position, real, state, sk=None, k_valid=None, u=None, choose=True):
         """Add the token at `position` [b] (real: [b] bool, whether it enters the summaries) to the running query
-        sum; rows whose token leads a bucket choose that bucket's key buckets. Self-attention reads the key
-        summaries from `state`; cross-attention passes the context's (sk, k_valid)."""
+        sum; rows whose token leads a bucket choose that bucket's key buckets (choose=False: the caller knows
+        that no row does). Self-attention reads the key summaries from `state`; cross-attention passes the
+        context's (sk, k_valid)."""
         size, off = self.bucket_size, self.offset
         if u is None:
             u = torch.div(position + off, size, rounding_mode="floor")
         state["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
         state["q_count"].add_(real.float())
+        if not choose:
+            return
         sq = state["q_sum"] / state["q_count"].clamp_min(1)[:, None, None]  # [b, h, d]
         if not self.cross:
             sk, k_valid = self._key_summaries(state, u)
@@ -689,30 +692,82 @@ class CausalSinkhornHeads(nn.Module):
         if weight is not None:
             state["route_weight"] = torch.where(keep, weight, state["route_weight"])
 
-    def step(self, q, k, keys, values, heads, position, real, state):
-        """Causal self-attention of one new token per row at `position` [b] (already written to keys/values). q, k:
-        [b, h, 1, d]; real: [b] bool. keys/values: the layer's cache [b, H, S, d]; for this group's `heads` it
+    def step(self, q, k, v, keys, values, heads, position, real, state, host=None):
+        """Causal self-attention of one new token per row at `position` [b] (already written to keys/values). q, k,
+        v: [b, h, 1, d]; real: [b] bool. keys/values: the layer's cache [b, H, S, d]; for this group's `heads` it
         holds, as whole buckets from slot `1 - offset` on, the null buckets then the row's real tokens (see
         `SinkhornLayerState`): the bucket bank of `bucketed`, so the chosen buckets and the own bucket are picked
         by index, one block copy each.
 
         Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
-        (n_top + 1) * bucket_size keys."""
-        size, off, n_null = self.bucket_size, self.offset, self.n_top
+        (n_top + 1) * bucket_size keys. host: None (static step), or (positions, real, epoch, memo) for a
+        host-following step (see `SinkhornCache`), which reuses the window of the last step when no row entered
+        a new bucket, and the index tensors of the step's other groups of the same shape (memo)."""
+        size, off = self.bucket_size, self.offset
         b, h, _, d = q.shape
-        u = torch.div(position + off, size, rounding_mode="floor")  # [b]
-        counted = real & (u > 0) if self.skip_first else real  # tokens that enter the routing summaries
-        new_k = k[:, :, 0].float() * counted[:, None, None]  # [b, h, d]
+        if host is None:
+            ix = self._step_index(position, real, b, h, d)
+        else:
+            key = (size, off, self.skip_first, self.n_top, b, h, d)
+            ix = host[3].get(key) or host[3].setdefault(key, self._step_index(position, real, b, h, d))
+        u, counted = ix["u"], ix["counted"]
+        new_k = k[:, :, 0].float() * ix["weight"][:, None, None]  # [b, h, d]
         if self.running_key_summary:
             state["k_run_sum"].add_(new_k)
-            state["k_run_count"].add_(counted.float())
+            state["k_run_count"].add_(ix["weight"])
             run = state["k_run_sum"] / state["k_run_count"].clamp_min(1)[:, None, None]
-            new_k = run * counted[:, None, None]
-        state["k_sum"].scatter_add_(2, u[:, None, None, None].expand(b, h, 1, d), new_k[:, :, None])
-        state["k_count"].scatter_add_(1, u[:, None], counted.float()[:, None])
-        state["queries"].scatter_(2, position[:, None, None, None].expand(b, h, 1, d), q.to(state["queries"].dtype))
-        self.route_step(q, position, counted, state, u=u)
+            new_k = run * ix["weight"][:, None, None]
+        state["k_sum"].scatter_add_(2, ix["bucket"], new_k[:, :, None])
+        state["k_count"].scatter_add_(1, u[:, None], ix["weight"][:, None])
+        state["queries"].scatter_(2, ix["token"], q.to(state["queries"].dtype))
+        if host is None:
+            self.route_step(q, position, counted, state, u=u)
+            keys_all, values_all, bias = self._window(keys, values, heads, position, u, state, q.dtype)
+        else:
+            positions, reals, epoch, _ = host
+            buckets = [(p + off) // size for p in positions]
+            lead = any(
+                r and (p + off) % size == 0 and not (self.skip_first and p + off < size)
+                for p, r in zip(positions, reals)
+            )
+            self.route_step(q, position, counted, state, u=u, choose=lead)
+            window = state.get("window")
+            if lead or window is None or window[0] != (epoch, buckets):
+                window = ((epoch, buckets), *self._window(keys, values, heads, position, u, state, q.dtype))
+                state["window"] = window
+            else:  # the same buckets: the new token joins the own bucket (its last `size` slots)
+                _, keys_all, values_all, bias = window
+                slot = ix["own"]  # [b, h, 1, d]
+                keys_all.scatter_(2, slot, k.to(keys_all.dtype))
+                values_all.scatter_(2, slot, v.to(values_all.dtype))
+                bias.scatter_(3, slot[..., :1], 0.0)
+            _, keys_all, values_all, bias = window
+            # up to the last own-bucket slot any row has reached (the keys after it are masked in every row)
+            end = keys_all.shape[2] - size + 1 + max((p + off) % size for p in positions)
+            keys_all, values_all, bias = keys_all[:, :, :end], values_all[:, :, :end], bias[..., :end]
+        return attend(q, keys_all, values_all, bias=bias, implementation=self.implementation)
 
+    def _step_index(self, position, real, b, h, d):
+        """The index tensors of a step: query bucket u [b], the tokens that enter the routing summaries (bool and
+        float [b]), and for [b, h, ., d] buffers the slots of u, of the token and of its own-bucket window slot."""
+        size, off = self.bucket_size, self.offset
+        u = torch.div(position + off, size, rounding_mode="floor")
+        counted = real & (u > 0) if self.skip_first else real
+        own = self.n_top * size + (position + off) % size  # the window: the chosen buckets, then the own bucket
+        return dict(
+            u=u,
+            counted=counted,
+            weight=counted.float(),
+            bucket=u[:, None, None, None].expand(b, h, 1, d),
+            token=position[:, None, None, None].expand(b, h, 1, d),
+            own=own[:, None, None, None].expand(b, h, 1, d),
+        )
+
+    def _window(self, keys, values, heads, position, u, state, dtype):
+        """Keys, values [b, h, K, d] and additive mask [b, h, 1, K] of the chosen buckets of the current query bucket
+        `u` [b] and the own bucket up to the token at `position` [b] (K = (n_sel + 1) * bucket_size)."""
+        size, off, n_null = self.bucket_size, self.offset, self.n_top
+        b, h = state["route"].shape[:2]
         choice = state["route"]  # [b, h, n_sel]: bank indices (null buckets first)
         which = torch.cat([choice, (n_null + u)[:, None, None].expand(b, h, 1)], dim=-1)  # chosen, then own
         keys_all, values_all = _pick_buckets((keys, values), heads, 1 - off, size, which)  # [b, h, (n_sel + 1) B, d]
@@ -722,14 +777,14 @@ class CausalSinkhornHeads(nn.Module):
             values_all = values_all * weight.to(values_all.dtype)
             if self.weight_routed_keys:
                 keys_all = keys_all * weight.to(keys_all.dtype)
-        slot = torch.arange(size, device=q.device)
+        slot = torch.arange(size, device=choice.device)
         pos = (which - n_null)[..., None] * size - off + slot  # [b, h, n_sel + 1, B] token positions
         null_slots = slot >= 0 if self.null_copies else slot == 0
         routed_m = torch.where((choice < n_null)[..., None], null_slots, pos[:, :, :-1] >= 0)
         routed_m = routed_m & state["route_valid"][..., None]
         own_m = (pos[:, :, -1:] >= 0) & (pos[:, :, -1:] <= position[:, None, None, None])
         m = torch.cat([routed_m, own_m], dim=2).reshape(b, h, 1, -1)  # [b, h, 1, K]: the token always sees itself
-        return attend(q, keys_all, values_all, bias=additive(m, q.dtype), implementation=self.implementation)
+        return keys_all, values_all, additive(m, dtype)
 
     def write_null_buckets(self, keys, values) -> None:
         """Put this group's null buckets into the cache slots before its first bucket (keys, values: the group's
@@ -1048,7 +1103,9 @@ class SinkhornSelfAttention(nn.Module):
         }
 
     def _step(self, q, k, v, layer_cache):
-        position, real = layer_cache.owner.lengths, layer_cache.owner.step_real  # [b] each
+        owner = layer_cache.owner
+        position, real = owner.lengths, owner.step_real  # [b] each
+        host = None if owner.step_host is None else (*owner.step_host, owner.host_epoch, owner.step_memo)
         keys, values = layer_cache.append_kv(k, v, position)  # [b, H, slots, d]
         outs = []
         for i, (group, (s, e)) in enumerate(zip(self.groups, self.slices)):
@@ -1057,7 +1114,9 @@ class SinkhornSelfAttention(nn.Module):
                 outs.append(group.step(q[:, s:e], keys, values, heads, position, layer_cache.owner.origin))
             else:
                 state = layer_cache.groups[i]
-                outs.append(group.step(q[:, s:e], k[:, s:e], keys, values, heads, position, real, state))
+                outs.append(
+                    group.step(q[:, s:e], k[:, s:e], v[:, s:e], keys, values, heads, position, real, state, host)
+                )
         return torch.cat(outs, dim=1)
 
 
@@ -1418,12 +1477,28 @@ class SinkhornCache(Cache):
     `crop` rebuilds the routing state of a shorter prefix from the cached queries and keys (assisted and
     prompt-lookup decoding). An eager call that needs more room than `max_cache_len` grows the buffers (in whole
     buckets, up to `max_position_embeddings`).
+
+    Host-following steps (`follows_host`): the one place where the decoding path is chosen. A cache whose
+    buffers live on the CPU (decided once, when the prefill allocates them) reads each row's position on the
+    host in eager steps, since there reading a tensor is no device sync: a causal Sinkhorn head group then keeps
+    the keys/values of its current query buckets (chosen buckets, own bucket so far) in a working window, built
+    from the cache only when some row enters a new bucket and otherwise extended by the new token, and skips
+    routing on the steps where no row starts a bucket: the static step's numbers (up to float rounding: the
+    window is cut after the last slot any row reached) with far fewer operators. Compiled steps, every step of a
+    cache on an accelerator and, with `static_steps=True`, every step take the static path.
     """
 
-    def __init__(self, config: SinkhornConfig, max_cache_len: int | None = None, compileable: bool = True):
+    def __init__(
+        self,
+        config: SinkhornConfig,
+        max_cache_len: int | None = None,
+        compileable: bool = True,
+        static_steps: bool = False,
+    ):
         super().__init__(layers=[])
         self.config = config
         self._compileable = compileable
+        self.static_steps = static_steps  # True: eager CPU steps too take the static path (see `follows_host`)
         self.bucket_size = config.bucket_size
         self.num_layers = config.num_hidden_layers
         limit = config.max_position_embeddings
@@ -1441,6 +1516,11 @@ class SinkhornCache(Cache):
         self.seen = None  # 0-dim tensor: tokens given so far, padding included
         self._seen_host = 0  # the same on the host, kept by eager calls (None after a compiled step)
         self.step_real = None  # [b] during a decoding step: whether the row's new token is real
+        self.on_host = False  # set by begin_prefill: buffers on the CPU and not static_steps (`follows_host`)
+        self.step_host = None  # during a host-following step: (positions, real) of every row, Python lists
+        self.step_memo = None  # and the index tensors its layers share (see CausalSinkhornHeads.step)
+        self.host_epoch = 0  # bumped whenever the state changes outside host-following steps (windows go stale)
+        self._compiled_step = False  # a compiled step ran since the last eager one (windows are stale)
 
     # -- bookkeeping used by the model -------------------------------------------------------------------------
 
@@ -1478,6 +1558,8 @@ class SinkhornCache(Cache):
         self.seen = _static(torch.tensor(n, device=mask.device))
         self._seen_host = n
         self.prefill_length = n
+        self.on_host = mask.device.type == "cpu" and not self.static_steps
+        self.host_epoch += 1
 
     def end_prefill(self) -> None:
         self.prefilled = True
@@ -1486,16 +1568,27 @@ class SinkhornCache(Cache):
         if not torch.compiler.is_compiling() and self._seen_host is not None:
             self.reserve(self._seen_host + 1)
         self.step_real = real
+        self.step_host = None
+        if self.follows_host:
+            if self._compiled_step:
+                self.host_epoch, self._compiled_step = self.host_epoch + 1, False
+            self.step_host, self.step_memo = (self.lengths.tolist(), real.tolist()), {}
         self.token_mask.scatter_(1, self.seen.view(1, 1).expand(real.shape[0], 1), real[:, None])
 
     def end_step(self, real: torch.Tensor) -> None:
         self.lengths.add_(real.long())
         self.seen.add_(1)
-        self.step_real = None
+        self.step_real = self.step_host = self.step_memo = None
         if torch.compiler.is_compiling():
             self._seen_host = None
+            self._compiled_step = True  # (written, never read, in the graph: no guard on it)
         elif self._seen_host is not None:
             self._seen_host += 1
+
+    @property
+    def follows_host(self) -> bool:
+        """Whether this step reads positions on the host (see the class docstring): a CPU cache, not compiling."""
+        return not torch.compiler.is_compiling() and self.on_host
 
     # -- Cache API ----------------------------------------------------------------------------------------------
 
@@ -1539,6 +1632,7 @@ class SinkhornCache(Cache):
     def _apply(self, fn) -> None:
         if self.lengths is None:
             return
+        self.host_epoch += 1
 
         def remap(t):  # the new tensors are updated in place too
             return _static(fn(t))
@@ -1561,7 +1655,7 @@ class SinkhornCache(Cache):
         """Nothing to switch on: keys, values and queries of every token are kept, so `crop` can always restore."""
 
     def reset(self) -> None:
-        self.__init__(self.config, self.max_cache_len, self._compileable)
+        self.__init__(self.config, self.max_cache_len, self._compileable, self.static_steps)
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens given (padding included), or drop the last `-max_length` tokens when
@@ -1576,6 +1670,7 @@ class SinkhornCache(Cache):
         self.lengths.copy_(self.token_mask[:, :keep].sum(1))
         self.seen.fill_(keep)
         self._seen_host = keep
+        self.host_epoch += 1
         for layer in self.layers:
             layer.rebuild(self.lengths)
 

@@ -2,6 +2,8 @@
 prompt-lookup decoding). Every check compares against an independent computation: the uncached forward of the
 unpadded prompt, or each prompt generated alone."""
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import CompileConfig, pipeline
@@ -110,13 +112,46 @@ def test_generate_sizes_a_static_compileable_cache():
     assert cache.layers[0].keys.shape[2] == cache.slots and cache.get_seq_length() == 10
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_host_following_cpu_steps_equal_static_steps_and_skip_routing_between_bucket_starts(variant):
+    """Eager CPU steps read positions on the host and reuse their working windows between bucket starts: the logits
+    of the static steps (which compiled decoding runs) at every step, to float rounding (the window is cut after
+    the last slot reached), through bucket starts of both head offsets and a padding step; a step that starts no
+    bucket runs no routing (sort / top-k) and fewer operators."""
+    model = causal_lm(seed=6, **VARIANTS[variant])
+    ids, mask = left_pad(prompts_of([9, 5], seed=15))
+    tokens = torch.randint(1, 40, (2, 11), generator=torch.Generator().manual_seed(16))
+    step_masks = torch.ones(2, 11, dtype=torch.long)
+    step_masks[1, 3] = 0  # a padding step in one row, at a bucket start (position 8)
+    logits, counts = {}, {}
+    with torch.no_grad():
+        for static in (False, True):
+            cache = SinkhornCache(model.config, max_cache_len=32, static_steps=static)
+            model(ids, attention_mask=mask, cache=cache, use_cache=True)
+            m, logits[static], counts[static] = mask, [], []
+            for t in range(tokens.shape[1]):
+                m = torch.cat([m, step_masks[:, t : t + 1]], dim=1)
+                run = partial(model, tokens[:, t : t + 1], attention_mask=m, cache=cache, use_cache=True)
+                counts[static].append(
+                    count_dispatched_ops(lambda run=run, out=logits[static]: out.append(run().logits))
+                )
+    for t, (host, static) in enumerate(zip(logits[False], logits[True])):
+        torch.testing.assert_close(host, static, rtol=1e-6, atol=1e-6, msg=f"step {t}")
+    # step 1: rows at positions 10 and 6, no bucket start of either offset (bucket 4); the window of step 0 is kept
+    host_ops, static_ops = counts[False][1], counts[True][1]
+    routing = ("aten.sort", "aten.topk")
+    assert sum(host_ops[name] for name in routing) == 0 < sum(static_ops[name] for name in routing)
+    assert host_ops["aten.index_select"] < static_ops["aten.index_select"]
+    assert sum(host_ops.values()) < sum(static_ops.values())
+
+
 @needs_traceable_outputs
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_cached_decoding_step_is_one_graph_without_host_reads(variant):
     model = causal_lm(seed=6, **VARIANTS[variant])
     ids, mask = left_pad(prompts_of([10, 5]))
     with torch.no_grad():
-        cache = SinkhornCache(model.config, max_cache_len=32)
+        cache = SinkhornCache(model.config, max_cache_len=32, static_steps=True)  # as compiled steps run
         first = model(ids, attention_mask=mask, cache=cache, use_cache=True)
         token = first.logits[:, -1:].argmax(-1)
         step = dict(attention_mask=torch.ones(2, 1, dtype=torch.long), cache=cache, use_cache=True)
