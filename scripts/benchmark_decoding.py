@@ -101,13 +101,9 @@ def build(row: Row, size: dict):
     """The row's model (eval mode, on the CPU, fp32) and the longest sequence it will see."""
     width, longest = size["width"], max(size["contexts"]) + size["new_tokens"] + 1
     torch.manual_seed(0)
+    gpu = _sibling("benchmark_gpu")
     if row.family == "compressive":
-        c = size["compressive"]
-        args = argparse.Namespace(
-            hidden=width["hidden"], layers=width["layers"], heads=width["heads"], segment=c["segment"],
-            mem=c["mem"], c_mem=c["c_mem"], rate=c["rate"], reference_gru=False,
-        )  # fmt: skip
-        ours, reference = _sibling("benchmark_compressive").build(args, sides=(row.side,))
+        ours, reference = _sibling("benchmark_compressive").build(gpu.compressive_args(size), sides=(row.side,))
         return (ours or reference).eval()
     if row.family == "sinkhorn":
         opts = dict(
@@ -125,17 +121,7 @@ def build(row: Row, size: dict):
         from longrange import SinkhornConfig, SinkhornForCausalLM
 
         return SinkhornForCausalLM(SinkhornConfig(max_seq_len=-(-longest // bucket) * bucket, **opts)).eval()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    llama_intermediate = _sibling("benchmark_gpu").llama_intermediate
-
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=width["hidden"], num_hidden_layers=width["layers"],
-        num_attention_heads=width["heads"], num_key_value_heads=width["heads"],
-        intermediate_size=llama_intermediate(width["hidden"]), max_position_embeddings=longest,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    return gpu.llama(width, longest).eval()
 
 
 # ----------------------------------------------------------------------------------------------------------

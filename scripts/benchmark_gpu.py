@@ -134,6 +134,28 @@ def llama_intermediate(hidden: int) -> int:
     return max(64, round(8 * hidden / 3 / 64) * 64)
 
 
+def compressive_args(size: dict) -> argparse.Namespace:
+    """`benchmark_compressive.build`'s arguments for these sizes."""
+    width, c = size["width"], size["compressive"]
+    return argparse.Namespace(
+        hidden=width["hidden"], layers=width["layers"], heads=width["heads"], segment=c["segment"], mem=c["mem"],
+        c_mem=c["c_mem"], rate=c["rate"], reference_gru=False,
+    )  # fmt: skip
+
+
+def llama(width: dict, max_positions: int):
+    """transformers' Llama (SDPA) of the others' width, depth and heads, with a parameter-matched SwiGLU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=width["hidden"], num_hidden_layers=width["layers"],
+        num_attention_heads=width["heads"], num_key_value_heads=width["heads"],
+        intermediate_size=llama_intermediate(width["hidden"]), max_position_embeddings=max_positions,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict | None):
     """(model, step function, inputs) for one row. The step runs forward (inside autocast for bf16), backward
     (outside it), AdamW and zero_grad, like the CPU benchmarks' steps."""
@@ -147,12 +169,7 @@ def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict 
 
     ids = torch.randint(0, 256, (row.batch, row.length + 1), generator=torch.Generator().manual_seed(1)).to(device)
     if row.family == "compressive":
-        c = size["compressive"]
-        args = argparse.Namespace(
-            hidden=width["hidden"], layers=width["layers"], heads=width["heads"], segment=c["segment"],
-            mem=c["mem"], c_mem=c["c_mem"], rate=c["rate"], reference_gru=False,
-        )  # fmt: skip
-        ours, reference = benchmark_compressive.build(args, sides=(row.side,))
+        ours, reference = benchmark_compressive.build(compressive_args(size), sides=(row.side,))
         model = (ours if row.side == "ours" else reference).to(device)
         if compile_kwargs is not None:  # the reference's wrapper loops over segments in Python: compile its network
             (model if row.side == "ours" else model.net).compile(**compile_kwargs)
@@ -180,15 +197,7 @@ def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict 
         def loss_of():
             return benchmark_sinkhorn.lm_loss(forward(inputs), inputs, True)
     else:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=256, hidden_size=width["hidden"], num_hidden_layers=width["layers"],
-            num_attention_heads=width["heads"], num_key_value_heads=width["heads"],
-            intermediate_size=llama_intermediate(width["hidden"]), max_position_embeddings=row.length,
-            attn_implementation="sdpa",
-        )  # fmt: skip
-        model = LlamaForCausalLM(config)
+        model = llama(width, row.length)
         if model.config._attn_implementation != "sdpa":
             raise RuntimeError(f"Llama built with attn_implementation={model.config._attn_implementation!r}")
 
