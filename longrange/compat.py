@@ -70,3 +70,15 @@ def cache_output(cls: type) -> type:
 
 BaseModelOutputWithPast = cache_output(_BaseModelOutputWithPast)
 CausalLMOutputWithCrossAttentions = cache_output(_CausalLMOutputWithCrossAttentions)
+
+
+def check_assisted_decoding(generation_mode) -> None:
+    """Assisted and prompt-lookup decoding need transformers >= 5.24: older releases build their own caches beside
+    the model's (`cache_implementation` with `past_key_values`) and crop by length. Refused clearly there."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    if CACHE_NAME != "cache" and generation_mode == GenerationMode.ASSISTED_GENERATION:
+        raise NotImplementedError(
+            "assisted and prompt-lookup decoding of longrange models need transformers >= 5.24, installed "
+            f"{transformers.__version__}"
+        )

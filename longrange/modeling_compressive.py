@@ -32,7 +32,7 @@ from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .compat import CACHE_NAME, cache_output
+from .compat import CACHE_NAME, cache_output, check_assisted_decoding
 from .configuration_compressive import CompressiveConfig
 from .layers import FeedForward, attend, blockwise_attention, check_token_ids, sinusoidal_embedding
 from .product_key_memory import ProductKeyMemory
@@ -382,19 +382,23 @@ class CompressiveMemoryCache(Cache):
                 self._host_rows[row] = list(sub._host_rows[0])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last -tokens_to_remove tokens of every row (transformers' convention: a number <= 0),
+        """Removes the last -tokens_to_remove tokens of every row (transformers' convention: a number <= 0; a
+        positive number, as older transformers releases pass, is the length to keep),
         restoring the memories exactly as they were before those tokens: the counters are rewound (to their
         values before the segment completions undone); the static buffers still hold what they pointed to.
         The removed tokens must be real tokens of every row (as generate() appends them)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes the number of tokens to remove as a number <= 0, got {tokens_to_remove}")
+        if tokens_to_remove > 0:  # older transformers releases pass the length to keep
+            if tokens_to_remove > self.seen_tokens:
+                raise ValueError(f"cannot crop to {tokens_to_remove} tokens: the cache has seen {self.seen_tokens}")
+            tokens_to_remove -= self.seen_tokens
         count = -tokens_to_remove
         if count == 0 or self.layers[0].is_empty:
             return
         if count > self.crop_margin:
             raise ValueError(
-                f"cannot crop {count} tokens: this CompressiveMemoryCache keeps what a crop needs for "
-                f"crop_margin={self.crop_margin} tokens (create it with a larger crop_margin)"
+                f"cannot crop {count} tokens: this CompressiveMemoryCache can be cropped by at most "
+                f"crop_margin={self.crop_margin} tokens (create it with a larger crop_margin; with "
+                "compression_function='most_used' none can be cropped)"
             )
         if not self.is_static:
             raise ValueError("crop needs the cache's inference form: only caches of no-grad forwards can be cropped")
@@ -1699,6 +1703,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         cache and compiles the decoding steps where it compiles (CUDA; any device with `compile_config`). Assisted
         and prompt-lookup decoding (and an assistant model's own generate) get a croppable one: it can take back
         as many tokens as one generate() call adds, at least 64 and two segments."""
+        check_assisted_decoding(generation_mode)
         if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
             margin = 0
             assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant

@@ -36,7 +36,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
-from .compat import cache_output
+from .compat import cache_output, check_assisted_decoding
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend, check_token_ids
 from .product_key_memory import ProductKeyMemory
@@ -1504,8 +1504,8 @@ class SinkhornCache(Cache):
         limit = config.max_position_embeddings
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"SinkhornCache: max_cache_len must be a positive number of tokens, got {max_cache_len}")
-        self.max_cache_len = limit if max_cache_len is None else min(max_cache_len, limit)
-        self.capacity = math.ceil(self.max_cache_len / self.bucket_size) * self.bucket_size
+        self._max_len = limit if max_cache_len is None else min(max_cache_len, limit)
+        self.capacity = math.ceil(self._max_len / self.bucket_size) * self.bucket_size
         # key/value slot of position 0: after the null buckets (and one slot for the shifted heads' virtual token)
         self.origin = 1 + config.n_top_buckets * self.bucket_size
         self.layers = [SinkhornLayerState(self) for _ in range(self.num_layers)]
@@ -1543,7 +1543,7 @@ class SinkhornCache(Cache):
             raise ValueError(f"SinkhornModel: sequence length {total} exceeds max_position_embeddings ({limit})")
         capacity = min(max(total, 2 * self.capacity), limit)
         self.capacity = math.ceil(capacity / self.bucket_size) * self.bucket_size
-        self.max_cache_len = max(self.max_cache_len, total)
+        self._max_len = max(self._max_len, total)
         if self.token_mask is not None:
             self.token_mask = _static(_grow(self.token_mask, 1, self.capacity))
             for layer in self.layers:
@@ -1599,11 +1599,16 @@ class SinkhornCache(Cache):
             self._seen_host = int(self.seen)
         return self._seen_host
 
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens the buffers hold (a read-only property of transformers' Cache before 5.24, so it is one here)."""
+        return self._max_len
+
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.max_cache_len
+        return self._max_len
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.max_cache_len
+        return self._max_len
 
     @property
     def is_compileable(self) -> bool:
@@ -2204,13 +2209,15 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ) -> None:
+        check_assisted_decoding(generation_mode)
         given = model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None
         if given or generation_config.use_cache is False or generation_config.cache_implementation is not None:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
-        if generation_config.max_cache_len is not None:
-            max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+        requested = getattr(generation_config, "max_cache_len", None)  # not a GenerationConfig field in older releases
+        if requested is not None:
+            max_cache_length = max(max_cache_length, requested)
         model_kwargs["cache"] = SinkhornCache(self.config, max_cache_len=max_cache_length)
 
     def create_masks_for_generate(self, attention_mask=None, cache=None, inputs_embeds=None, **kwargs):

@@ -18,6 +18,11 @@ from longrange.compat import CACHE_NAME
 needs_traceable_outputs = pytest.mark.skipif(
     CACHE_NAME != "cache", reason="fullgraph compile of the models needs transformers >= 5.24 (cache field name)"
 )
+# transformers' assisted / prompt-lookup decoding before 5.24 builds its own caches beside a model's
+# (`cache_implementation` with `past_key_values`) and calls `crop` with the length to keep: supported from 5.24
+needs_current_assisted_decoding = pytest.mark.skipif(
+    CACHE_NAME != "cache", reason="assisted and prompt-lookup decoding of the models need transformers >= 5.24"
+)
 
 # operators that read a device value back to the host: `.item()`, `.tolist()`, `bool(t)` (`_local_scalar_dense`),
 # `torch.where(cond)` / `nonzero` and the ops whose output size depends on values (`nonzero_static` has a fixed

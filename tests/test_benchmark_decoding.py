@@ -66,7 +66,9 @@ def test_ratios_and_context_scaling(bench):
 
 
 def test_a_compiled_row_that_compiles_nothing_is_an_error_not_an_eager_figure(bench, monkeypatch):
-    monkeypatch.setattr(bench, "compiled_graphs", lambda: 0)
+    # a "compiled" row whose generate() runs eagerly (as when a cache is not compileable)
+    eager = bench.generate_kwargs(bench.Row("llama", "llama", "eager", 32), bench.torch.device("cpu"), "aot_eager")
+    monkeypatch.setattr(bench, "generate_kwargs", lambda *args: eager)
     size = bench.sizes(quick=True)
     with pytest.raises(RuntimeError, match="compiled nothing"):
         bench.measure(bench.Row("llama", "llama", "compiled", 32), size, bench.torch.device("cpu"), "aot_eager")

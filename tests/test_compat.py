@@ -41,3 +41,21 @@ def test_outputs_hold_the_cache_under_the_installed_name(output_class):
 def test_cache_given_under_both_names_raises():
     with pytest.raises(ValueError, match="not both"):
         CompressiveModelOutput(last_hidden_state=torch.zeros(1), cache=object(), past_key_values=object())
+
+
+@pytest.mark.skipif(CACHE_NAME == "cache", reason="assisted decoding is supported from transformers 5.24")
+@pytest.mark.parametrize("family", ["compressive", "sinkhorn"])
+def test_assisted_decoding_is_refused_clearly_before_transformers_5_24(family):
+    from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
+
+    if family == "compressive":
+        model = CompressiveForCausalLM(CompressiveConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                                         num_attention_heads=2, segment_length=4, mem_len=4,
+                                                         c_mem_len=2, compression_rate=2))  # fmt: skip
+    else:
+        model = SinkhornForCausalLM(SinkhornConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, bucket_size=4, causal=True,
+                                                   max_position_embeddings=64))  # fmt: skip
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    with pytest.raises(NotImplementedError, match="need transformers >= 5.24"):
+        model.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False, pad_token_id=0)

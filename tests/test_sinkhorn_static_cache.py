@@ -8,10 +8,16 @@ import pytest
 import torch
 from transformers import CompileConfig, pipeline
 
+from longrange.compat import CACHE_NAME
 from longrange.configuration_sinkhorn import SinkhornConfig
 from longrange.modeling_sinkhorn import SinkhornCache, SinkhornForCausalLM
 from longrange.tokenization import byte_tokenizer
-from tests.dispatch_utils import count_dispatched_ops, needs_traceable_outputs, sync_ops
+from tests.dispatch_utils import (
+    count_dispatched_ops,
+    needs_current_assisted_decoding,
+    needs_traceable_outputs,
+    sync_ops,
+)
 
 TINY = dict(vocab_size=40, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=4)
 # local heads, ordinary and shifted causal Sinkhorn heads; the causal defaults otherwise (no SortCut)
@@ -106,7 +112,7 @@ def test_generate_sizes_a_static_compileable_cache():
         pad_token_id=0,
         return_dict_in_generate=True,
     )
-    cache = out.cache
+    cache = getattr(out, CACHE_NAME)
     assert isinstance(cache, SinkhornCache) and cache.is_compileable
     assert cache.max_cache_len == 10 and cache.capacity == 12  # generate's max_length - 1, in whole buckets
     assert cache.layers[0].keys.shape[2] == cache.slots and cache.get_seq_length() == 10
@@ -239,6 +245,7 @@ def test_crop_restores_cross_attention_routing():
     torch.testing.assert_close(after_crop, full[:, -1], rtol=1e-5, atol=1e-5)
 
 
+@needs_current_assisted_decoding
 def test_assisted_and_prompt_lookup_generate_equal_greedy_decoding():
     model = causal_lm(seed=11, **{**VARIANTS["local+shifted"], "hidden_size": 32, "num_hidden_layers": 3})
     assistant = causal_lm(seed=12, **VARIANTS["paired"])
