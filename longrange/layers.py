@@ -331,3 +331,10 @@ def _register_blockwise() -> None:
 
 
 _register_blockwise()
+
+
+def real_tokens_first(valid: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] bool (True = real token) -> [batch, seq] indices that put each row's real tokens first, in
+    their order, then its padding (a stable sort): what both models use so that padding never moves a row's
+    segments or buckets."""
+    return torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices

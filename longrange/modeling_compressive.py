@@ -34,7 +34,7 @@ from transformers.utils import ModelOutput
 
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding
 from .configuration_compressive import CompressiveConfig
-from .layers import FeedForward, attend, blockwise_attention, check_token_ids, sinusoidal_embedding
+from .layers import FeedForward, attend, blockwise_attention, check_token_ids, real_tokens_first, sinusoidal_embedding
 from .product_key_memory import ProductKeyMemory
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1082,7 +1082,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             return self._run_segments(hidden_states, valid, cache, output_hidden_states, output_attentions)
 
         batch, seq_len, hidden = hidden_states.shape
-        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices  # real tokens first, in order
+        order = real_tokens_first(valid)
         kept = seq_len if counts is None else counts[0]  # a kept cache takes no all-padding columns
         order = order[:, :kept]
         rolled = hidden_states.gather(1, order[..., None].expand(-1, -1, hidden))

@@ -38,7 +38,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .compat import cache_output, check_assisted_decoding
 from .configuration_sinkhorn import SinkhornConfig
-from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend, check_token_ids
+from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, attend, check_token_ids, real_tokens_first
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
 
@@ -2056,7 +2056,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
             if cache is not None:
                 cache.begin_prefill(mask)
             if attention_mask is not None:
-                order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices  # [b, L]: real first
+                order = real_tokens_first(mask)  # [b, L]
                 back = order.argsort(dim=1)
                 hidden, mask = _permute_tokens(hidden, order), mask.gather(1, order)
             pad = (-length) % config.bucket_size

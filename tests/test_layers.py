@@ -112,3 +112,11 @@ def test_feed_forward_over_row_blocks_equals_one_pass(glu):
         torch.autograd.grad((blocked * upstream).sum(), leaves), torch.autograd.grad((whole * upstream).sum(), leaves)
     ):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_real_tokens_first_keeps_each_rows_real_tokens_in_order_then_its_padding():
+    from longrange.layers import real_tokens_first
+
+    valid = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 0]], dtype=torch.bool)
+    expected = [[i for i, v in enumerate(row) if v] + [i for i, v in enumerate(row) if not v] for row in valid.tolist()]
+    assert real_tokens_first(valid).tolist() == expected
