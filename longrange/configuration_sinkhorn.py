@@ -58,7 +58,9 @@ class SinkhornConfig(PreTrainedConfig):
         max_position_embeddings (alias `max_seq_len`): number of learned absolute positions; longer inputs raise.
         axial_position_embeddings: positions embedded axially, as sinkhorn-transformer does: position p gets
             `per_bucket[p // bucket_size] + in_bucket[p % bucket_size]` (two tables of `ceil(max_position_embeddings
-            / bucket_size)` and `bucket_size` rows) instead of one learned row per position. Default False.
+            / bucket_size)` and `bucket_size` rows) instead of one learned row per position. Default True: over
+            1,200 training steps it learns clearly faster than one row per position (README, "Sinkhorn parity");
+            False gives one learned row per position (the earlier default; saved configs keep their value).
 
     Sinkhorn attention
         bucket_size: tokens per bucket. Inputs of any length are padded to a multiple internally (padding masked,
@@ -182,7 +184,7 @@ class SinkhornConfig(PreTrainedConfig):
     ff_glu: bool = False
     emb_dim: int | None = None
     max_position_embeddings: int = 2048
-    axial_position_embeddings: bool = False
+    axial_position_embeddings: bool = True
     bucket_size: int = 64
     causal: bool = False
     n_top_buckets: int = 2
