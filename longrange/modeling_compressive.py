@@ -351,7 +351,7 @@ class CompressiveMemoryCache(Cache):
 
     def select_row(self, row: int) -> CompressiveMemoryCache:
         """Static form: a new cache holding row `row` alone (copies)."""
-        sub = CompressiveMemoryCache(len(self.layers))
+        sub = CompressiveMemoryCache(len(self.layers), crop_margin=self.crop_margin)
         sub._layout = self._layout
         for layer, sub_layer in zip(self.layers, sub.layers):
             for name in CompressiveMemoryLayer._STATIC:

@@ -30,6 +30,7 @@ The rules MemoryTrainer follows:
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -47,7 +48,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .compat import TRAINER_COUNTS_PREDICTED_LABELS
 from .data import StreamBatcher
-from .modeling_compressive import CompressiveMemoryCache, CompressiveMemoryLayer
+from .modeling_compressive import CompressiveMemoryCache, CompressiveMemoryLayer, StaticLayout
 from .training import carries_cache
 
 # versions on which MemoryTrainer was checked against the plain streaming loop (tests/test_memory_trainer.py): 5.17
@@ -251,26 +252,60 @@ def collate_stream_windows(features: list[dict]) -> dict:
 
 # the memories proper; the projected keys/values are a derived buffer that inference rebuilds
 _MEMORY_FIELDS = tuple(name for name in CompressiveMemoryLayer._BATCHED if name not in ("keys", "values"))
+# the static (decoding) form, whose rows may be at different fills: every buffer as it is, with the per-row counters
+_STATIC_FIELDS = (*CompressiveMemoryLayer._STATIC, "rel_table")
 
 
 def memory_state(cache: CompressiveMemoryCache) -> dict:
-    """A `CompressiveMemoryCache` as a dict of tensors and ints (for `torch.save`)."""
+    """A `CompressiveMemoryCache` as a dict of tensors and plain values (for `torch.save`), in either form: the
+    compact one (training) or the static one (no-grad decoding steps, or a forward over padded rows of different
+    lengths), which is kept whole, so that rows at different fills come back exactly."""
     layers = []
     for layer in cache.layers:
         layers.append({name: getattr(layer, name) for name in _MEMORY_FIELDS if getattr(layer, name) is not None})
-    return {"seen_tokens": int(cache.seen_tokens), "layers": layers}
+    state = {"seen_tokens": int(cache.seen_tokens), "layers": layers}
+    if cache.is_static:
+        state["static"] = {
+            "layout": dataclasses.asdict(cache._layout),
+            "crop_margin": cache.crop_margin,
+            "groups_ready": bool(cache._groups_ready),
+            "rows": {name: getattr(cache, name) for name in CompressiveMemoryCache._ROWS},
+            "layers": [
+                {name: getattr(layer, name) for name in _STATIC_FIELDS if getattr(layer, name) is not None}
+                for layer in cache.layers
+            ],
+        }
+    return state
 
 
 def memory_from_state(state: dict, device=None) -> CompressiveMemoryCache:
     """The inverse of `memory_state`, on `device`."""
-    cache = CompressiveMemoryCache(len(state["layers"]))
+
+    def place(tensor):
+        return tensor.to(device) if device is not None else tensor
+
+    static = state.get("static")
+    cache = CompressiveMemoryCache(len(state["layers"]), crop_margin=static["crop_margin"] if static else 0)
     cache.seen_tokens = int(state["seen_tokens"])
     for layer, fields in zip(cache.layers, state["layers"]):
         unknown = set(fields) - set(_MEMORY_FIELDS)
         if unknown:
             raise ValueError(f"saved memory has unknown fields {sorted(unknown)}; expected some of {_MEMORY_FIELDS}")
         for name, tensor in fields.items():
-            setattr(layer, name, tensor.to(device) if device is not None else tensor)
+            setattr(layer, name, place(tensor))
+    if static:
+        cache._layout = StaticLayout(**static["layout"])
+        cache._groups_ready = bool(static["groups_ready"])
+        for name in CompressiveMemoryCache._ROWS:
+            setattr(cache, name, place(static["rows"][name]))
+        for layer, fields in zip(cache.layers, static["layers"]):
+            unknown = set(fields) - set(_STATIC_FIELDS)
+            if unknown:
+                raise ValueError(
+                    f"saved memory has unknown fields {sorted(unknown)}; expected some of {_STATIC_FIELDS}"
+                )
+            for name, tensor in fields.items():
+                setattr(layer, name, place(tensor))
     return cache
 
 

@@ -23,7 +23,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainingArguments
 
-from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
+from longrange import (
+    CompressiveConfig,
+    CompressiveForCausalLM,
+    CompressiveMemoryCache,
+    SinkhornConfig,
+    SinkhornForCausalLM,
+)
 from longrange.trainer import (
     MEMORY_TRAINER_SUPPORTED,
     MemoryTrainer,
@@ -257,6 +263,39 @@ def test_memory_state_round_trip():
         a = model(x[:, 16:], cache=cache, use_cache=True).logits
         b = model(x[:, 16:], cache=restored, use_cache=True).logits
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("croppable", [False, True])
+def test_memory_state_round_trip_of_the_static_form(tmp_path, croppable):
+    """Rows at different fills (a padded forward, then decoding steps) leave the cache in its static form; a saved
+    and reloaded state continues exactly as the cache itself, row by row."""
+    model = tiny_compressive().eval()
+    x = torch.as_tensor(TRAIN_IDS[:60]).view(2, 30)
+    mask = torch.ones_like(x)
+    mask[1, :11] = 0  # row 1: 19 real tokens after left padding, row 0: 30
+    step = torch.as_tensor(TRAIN_IDS[60:62]).view(2, 1)
+    caches = []
+    for margin in (0, 8) if croppable else (0,):  # a croppable cache (assisted decoding) decodes the same
+        cache = CompressiveMemoryCache(model.config.num_hidden_layers, crop_margin=margin)
+        with torch.no_grad():
+            cache = model(x, attention_mask=mask, cache=cache, use_cache=True).cache
+            caches.append(model(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), cache=cache))
+    if croppable:
+        torch.testing.assert_close(caches[0].logits, caches[1].logits, rtol=1e-5, atol=1e-5)
+    cache = caches[-1].cache
+    assert cache.is_static and cache.row_lengths()[0] != cache.row_lengths()[1]
+    torch.save(memory_state(cache), tmp_path / "memory.pt")
+    restored = memory_from_state(torch.load(tmp_path / "memory.pt", weights_only=True))
+    assert restored.is_static and restored.row_lengths() == cache.row_lengths()
+    assert restored.crop_margin == cache.crop_margin and restored.seen_tokens == cache.seen_tokens
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        for t in range(62, 62 + 2 * 12, 2):  # across segment completions of both rows
+            token = torch.as_tensor(TRAIN_IDS[t : t + 2]).view(2, 1)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            a = model(token, attention_mask=mask, cache=cache).logits
+            b = model(token, attention_mask=mask, cache=restored).logits
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @needs_supported
