@@ -30,6 +30,23 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         raise ValueError(f"{message}, got values in [{input_ids.min()}, {input_ids.max()}]") from error
 
 
+def register_fsdp_methods(layers: nn.ModuleList) -> None:
+    """Per-layer FSDP units (FSDP2's `fully_shard` on each layer, as Accelerate's `TRANSFORMER_BASED_WRAP` does
+    with `_no_split_modules`): registers each layer's `FSDP_FORWARD_METHODS` (the methods the model calls on a layer
+    outside its forward) as FSDP forward methods, so that calling one gathers the layer's parameters (and
+    reduces their gradients) as its forward does. Once per layer; a no-op for layers that are not FSDP units.
+    Called by the model's forward outside compilation (sharding happens after construction, on the user's side)."""
+    if torch.compiler.is_compiling() or not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    for layer in layers:  # fully_shard makes each unit an instance of FSDPModule
+        if isinstance(layer, FSDPModule) and not getattr(layer, "_fsdp_methods_registered", False):
+            for name in layer.FSDP_FORWARD_METHODS:
+                register_fsdp_forward_method(layer, name)
+            layer._fsdp_methods_registered = True
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -34,7 +34,15 @@ from transformers.utils import ModelOutput
 
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding
 from .configuration_compressive import CompressiveConfig
-from .layers import FeedForward, attend, blockwise_attention, check_token_ids, real_tokens_first, sinusoidal_embedding
+from .layers import (
+    FeedForward,
+    attend,
+    blockwise_attention,
+    check_token_ids,
+    real_tokens_first,
+    register_fsdp_methods,
+    sinusoidal_embedding,
+)
 from .product_key_memory import ProductKeyMemory
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -786,7 +794,7 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         if memory is not None:
             # projected apart from the segment: memories are detached, so backward only needs the weight gradient
             # for these rows, not an input gradient
-            memory_keys, memory_values = self.project_memory(memory, memory_tail_kv)
+            memory_keys, memory_values = self._project_memory(memory, memory_tail_kv)
             keys = torch.cat([memory_keys, new_keys], dim=2)
             values = torch.cat([memory_values, new_values], dim=2)
         elif write_index is not None:
@@ -807,11 +815,44 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.ff_output_norm(hidden_states + self.dropout(ff_out))
         return hidden_states, query, keys, values, weights
 
+    # What the model calls on a layer outside its forward: positions, the memory update and its loss. Each is a
+    # method of the layer (never a direct call of a submodule), so that under per-layer FSDP units it can gather
+    # the layer's parameters as forward does (`register_fsdp_methods`).
+    FSDP_FORWARD_METHODS = (
+        "relative_table",
+        "project_memory",
+        "compress_memory",
+        "attention_reconstruction_loss",
+        "autoencoding_loss",
+        "compression_zero",
+    )
+
+    def relative_table(self, encodings: torch.Tensor) -> torch.Tensor:
+        """[len, hidden] sinusoidal encodings of distances -> the projected table [heads, d_head, len]."""
+        return self.attention.project_relative(encodings)
+
+    def compress_memory(
+        self, memories: torch.Tensor, valid: torch.Tensor, usage: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """f_c: [batch, n * rate, hidden] memories (their validity and, for "most_used", the attention they
+        received) -> [batch, n, hidden] compressed memories and their validity."""
+        return self.compress(memories, valid, usage)
+
+    def compression_zero(self) -> torch.Tensor:
+        """An exact zero that touches every parameter of f_c (and of the decoder): the reconstruction loss of a
+        step that evicted nothing, so that data-parallel training sees the same parameters used on every step."""
+        modules = [self.compress] + ([self.decompress] if self.decompress is not None else [])
+        return torch.stack([p.sum() for module in modules for p in module.parameters()]).sum() * 0.0
+
     def project_memory(
         self, memory: torch.Tensor, known_tail: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [batch, heads, len, d_head] of stored (un-normalised) memories. `known_tail`
         [batch, F, 2 * hidden]: the key/value projection of the last F memories, when already known."""
+        return self._project_memory(memory, known_tail)
+
+    def _project_memory(self, memory, known_tail=None):
+        # (forward calls this, never the FSDP forward method above: a nested one would reshard on return)
         attention = self.attention
         if torch.is_grad_enabled() and not torch.is_autocast_enabled(memory.device.type) and memory.shape[1]:
             # training: memories are constants, so one product gives every gradient (see _MemoryProjection)
@@ -990,6 +1031,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             )
         if use_cache is None:
             use_cache = config.use_cache and not self.training
+        register_fsdp_methods(self.layers)  # per-layer FSDP units: what the model calls on a layer outside forward
         output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
         return_dict = return_dict if return_dict is not None else config.return_dict
 
@@ -1046,8 +1088,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             if config.reconstruction_loss != "none":
                 # no memory was evicted in this call: an exact zero that still touches every f_c (and decoder)
                 # parameter, so data-parallel training sees the same parameters used on every step
-                params = [p for layer in self.layers for p in self._compression_parameters(layer)]
-                reconstruction_loss = torch.stack([p.sum() for p in params]).sum() * 0.0
+                reconstruction_loss = torch.stack([layer.compression_zero() for layer in self.layers]).sum()
         result = CompressiveModelOutput(
             last_hidden_state=final,
             cache=cache if use_cache else None,
@@ -1195,11 +1236,6 @@ class CompressiveModel(CompressivePreTrainedModel):
             reconstruction_losses,
         )
 
-    @staticmethod
-    def _compression_parameters(layer) -> list[nn.Parameter]:
-        modules = [layer.compress] + ([layer.decompress] if layer.decompress is not None else [])
-        return [p for module in modules for p in module.parameters()]
-
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -1243,7 +1279,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         # [heads, d_head, length]: the layer's projected sinusoidal encodings of distances length - 1 ... 0, so that
         # the K keys of any chunk read the last K columns (a view)
         distances = torch.arange(length - 1, -1, -1, device=like.device)
-        return layer.attention.project_relative(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
+        return layer.relative_table(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
 
     # ------------------------------------------------------------------------------------------------------------
     # The static form (StaticLayout): conversions and the one-token decoding step
@@ -1321,9 +1357,9 @@ class CompressiveModel(CompressivePreTrainedModel):
             heads, head_dim = layer.attention.num_heads, layer.attention.head_dim
             block = _gather_slots(state.ring, slots)
             block_valid = _gather_slots(state.ring_real, slots) & in_ring
-            variants = [("grouped", layer.compress(block, block_valid))]
+            variants = [("grouped", layer.compress_memory(block, block_valid))]
             if isinstance(layer.compress, DilatedConvCompression):  # each group also compressed alone
-                alone = layer.compress(block.reshape(batch * count, rate, hidden), block_valid.reshape(-1, rate))
+                alone = layer.compress_memory(block.reshape(batch * count, rate, hidden), block_valid.reshape(-1, rate))
                 variants.append(("leading", (alone[0].view(batch, count, hidden), alone[1].view(batch, count))))
             for name, (compressed, compressed_valid) in variants:
                 values = (compressed, *layer.project_memory(compressed), compressed_valid)
@@ -1432,7 +1468,7 @@ class CompressiveModel(CompressivePreTrainedModel):
                     window = torch.arange(layout.max_new_entries * rate, device=device)
                     window_slots = layout.c_ring + (start[:, None] + window) % layout.ring
                     window_valid = _gather_slots(state.ring_real, window_slots) & (window < evicted[:, None])
-                    compressed_entries, entries_valid = layer.compress(
+                    compressed_entries, entries_valid = layer.compress_memory(
                         _gather_slots(state.ring, window_slots), window_valid
                     )
                     entries = (compressed_entries, *layer.project_memory(compressed_entries), entries_valid)
@@ -1511,12 +1547,12 @@ class CompressiveModel(CompressivePreTrainedModel):
         members = state.ring.gather(1, group_slots[..., None].expand(-1, -1, hidden))  # [batch, span, hidden]
         real = state.ring_real.gather(1, group_slots) & (group_tokens >= 0)
         slot = (group % layout.groups)[:, None]
-        compressed, compressed_valid = (t[:, -1:] for t in layer.compress(members, real))  # [batch, 1, ...]
+        compressed, compressed_valid = (t[:, -1:] for t in layer.compress_memory(members, real))  # [batch, 1, ...]
         targets = [(state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)]
         results = [(compressed, *layer.project_memory(compressed), compressed_valid)]
         if state.leading is not None:
             rate = self.config.compression_rate
-            compressed, compressed_valid = layer.compress(members[:, -rate:], real[:, -rate:])
+            compressed, compressed_valid = layer.compress_memory(members[:, -rate:], real[:, -rate:])
             targets.append((state.leading, state.leading_keys, state.leading_values, state.leading_valid))
             results.append((compressed, *layer.project_memory(compressed), compressed_valid))
         for buffers, values in zip(targets, results):
@@ -1649,7 +1685,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             evicted, evicted_valid = memory[:, :n_evict], memory_valid[:, :n_evict]
             train_compression = self.training and torch.is_grad_enabled() and config.reconstruction_loss != "none"
             with torch.set_grad_enabled(train_compression):
-                compressed, compressed_valid = layer.compress(
+                compressed, compressed_valid = layer.compress_memory(
                     evicted, evicted_valid, None if usage is None else usage[:, :n_evict]
                 )
             if train_compression:

@@ -76,7 +76,7 @@ if [ "$phase" = all ] || [ "$phase" = train ]; then
         timeout 30 python3 -m accelerate.commands.launch --config_file configs/accelerate/fsdp.yaml \
             --num_processes 1 scripts/train.py --model sinkhorn "${common[@]}" --output_dir /tmp/run-fsdp-sinkhorn
         echo "fsdp sinkhorn rc=$?"
-        timeout 30 python3 -m accelerate.commands.launch --config_file configs/accelerate/fsdp_root.yaml \
+        timeout 30 python3 -m accelerate.commands.launch --config_file configs/accelerate/fsdp.yaml \
             --num_processes 1 scripts/train.py --model compressive "${common[@]}" --output_dir /tmp/run-fsdp-compressive
         echo "fsdp compressive rc=$?"
         # compiled training (inductor)

@@ -278,12 +278,12 @@ def main(argv=None) -> dict:
     if (
         fsdp
         and args.model == "compressive"
-        and any(is_fsdp_unit(m) for m in accelerator.unwrap_model(model).model.layers)
+        and any(is_fsdp1_unit(m) for m in accelerator.unwrap_model(model).model.layers)
     ):
         raise SystemExit(
-            "FSDP: the Compressive model uses its decoder layers' projections outside the layers' own forward, so it "
-            "cannot have one FSDP unit per layer; shard the root alone: --config_file configs/accelerate/fsdp_root.yaml "
-            "(fsdp_auto_wrap_policy: NO_WRAP)"
+            "FSDP: the Compressive model calls methods of its decoder layers outside their forward (positions, the "
+            "memory update), which FSDP1's per-layer wrappers do not gather; use FSDP2 (fsdp_version: 2, as "
+            "configs/accelerate/fsdp.yaml) or shard the root alone (configs/accelerate/fsdp_root.yaml)"
         )
     state = TrainState()
     accelerator.register_for_checkpointing(scheduler, state)
@@ -448,11 +448,11 @@ def main(argv=None) -> dict:
     return result
 
 
-def is_fsdp_unit(module) -> bool:
-    """Whether FSDP (FSDP2's `fully_shard` or FSDP1's wrapper) made `module` a unit of its own."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+def is_fsdp1_unit(module) -> bool:
+    """Whether FSDP1's wrapper (`FullyShardedDataParallel`) made `module` a unit of its own."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+    return isinstance(module, FullyShardedDataParallel)
 
 
 @torch.no_grad()

@@ -51,7 +51,8 @@ def assert_same_training(one: Path, two: Path) -> None:
     [
         ("sinkhorn", "fsdp.yaml", []),  # each SinkhornLayer (`_no_split_modules`) one FSDP unit, then the root
         ("sinkhorn", "fsdp_root.yaml", ["reversible=True"]),  # reversible layers: the root as the one unit
-        ("compressive", "fsdp_root.yaml", []),  # the Compressive model: the root as the one unit (see the README)
+        ("compressive", "fsdp.yaml", []),  # each CompressiveDecoderLayer one unit (its FSDP forward methods)
+        ("compressive", "fsdp_root.yaml", []),  # the root as the one unit
     ],
 )
 def test_two_fsdp_processes_train_like_one_process(tmp_path, model, accelerate_config, config):
