@@ -7,6 +7,11 @@
     # issue 11's protocol (bucket 64, windows of 512), one side at a time, with config overrides for ours:
     python scripts/benchmark_quality.py --models sinkhorn --size issue11 --learning_rate 5e-4 --max_grad_norm 0.5 \
         --sides ours --config weight_routed_keys=True
+    # mean and spread over seeds: in one process, or from runs made side by side (one --json per process)
+    python scripts/benchmark_quality.py --models sinkhorn --size issue11 --steps 1200 --seeds 0 1 --json runs.json
+    python scripts/benchmark_quality.py --summarize ours_s0.json ours_s1.json reference_s0.json reference_s1.json
+    # the second corpus (enwik8-style bytes)
+    python scripts/benchmark_quality.py --models sinkhorn --size issue11 --data ../shared/data/enwik8_small.xml
 
 For each family the same size, steps, batch, window, optimizer (AdamW), learning-rate schedule (warm-up + cosine)
 and gradient clipping are used on both sides:
@@ -209,9 +214,27 @@ def main(argv=None) -> dict:
         "../shared/data, with --quick the stdlib sources (a smoke run needs no data outside the repository)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="several seeds, one after the other: a table of mean and spread over them follows")  # fmt: skip
+    p.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="no training: mean and spread over seeds of earlier runs' --json files (for example one "
+                   "process per seed and side, run side by side)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--seeds_done", action="store_true", help=argparse.SUPPRESS)  # (one seed of --seeds)
     p.add_argument("--threads", type=int, default=1, help="torch threads for both sides (1: fair on a shared CPU)")
     args = p.parse_args(argv)
+    if args.summarize:
+        summary = summarize([json.loads(path.read_text()) for path in args.summarize])
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=2))
+        return summary
+    if args.seeds and not args.seeds_done:
+        runs = [main([*(argv if argv is not None else sys.argv[1:]), "--seed", str(seed), "--seeds_done"])
+                for seed in args.seeds]  # fmt: skip
+        summary = summarize(runs)
+        if args.json:
+            args.json.write_text(json.dumps({"runs": runs, "summary": summary}, indent=2))
+        return summary
     torch.set_num_threads(args.threads)
     if args.data is None:
         args.data = "stdlib" if args.quick else str(DEFAULT_DATA)
@@ -227,8 +250,8 @@ def main(argv=None) -> dict:
         f"wide, {size['heads']} heads, window {size['window']}, batch {size['batch']}, {size['steps']} steps, "
         f"lr {args.learning_rate}; validation on the first {size['eval_tokens']:,} characters"
     )
-    results = {"size": size, "learning_rate": args.learning_rate, "max_grad_norm": args.max_grad_norm,
-               "seed": args.seed, "config": args.config, "rows": []}  # fmt: skip
+    results = {"data": Path(args.data).name, "size": size, "learning_rate": args.learning_rate,
+               "max_grad_norm": args.max_grad_norm, "seed": args.seed, "config": args.config, "rows": []}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.models:
             mine = ours(family, size, args, Path(tmp)) if "ours" in args.sides else None
@@ -252,9 +275,42 @@ def main(argv=None) -> dict:
         if ref:
             print(f"| {row['family']} | {row['reference_package']} | {ref['parameters']:,} | {ref['bpc']:.4f} | "
                   f"{ref['seconds']:.0f} |")  # fmt: skip
-    if args.json:
+    if args.json and not args.seeds_done:  # (--seeds writes every seed's results at the end)
         args.json.write_text(json.dumps(results, indent=2))
     return results
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Mean and spread (min, max, sample standard deviation) of validation bits/char over seeds, for each corpus,
+    family, side and config override; prints a markdown table."""
+    groups: dict[tuple, dict] = {}
+    for run in runs:
+        for row in run["rows"]:
+            for side in ("ours", "reference"):
+                if not row.get(side):
+                    continue
+                config = " ".join(run.get("config") or []) if side == "ours" else ""
+                name = "longrange" if side == "ours" else row["reference_package"]
+                key = (run.get("data", "tinyshakespeare.txt"), row["family"], name, config, run["size"]["steps"])
+                by_seed = groups.setdefault(key, {})
+                if by_seed.get(run["seed"], row[side]["bpc"]) != row[side]["bpc"]:
+                    raise SystemExit(f"two runs of {key} with seed {run['seed']} differ: pass each run once")
+                by_seed[run["seed"]] = row[side]["bpc"]
+    summary = []
+    print()
+    print("| corpus | model | implementation | steps | seeds | validation bits/char, mean | min - max | std |")
+    print("| --- | --- | --- | ---: | --- | ---: | --- | ---: |")
+    for (data, family, name, config, steps), by_seed in sorted(groups.items()):
+        values = np.array([by_seed[seed] for seed in sorted(by_seed)])
+        std = float(values.std(ddof=1)) if len(values) > 1 else None  # (one seed: no spread)
+        label = f"{name} ({config})" if config else name
+        seeds = ", ".join(str(seed) for seed in sorted(by_seed))
+        print(f"| {data} | {family} | {label} | {steps} | {seeds} | {values.mean():.4f} | "
+              f"{values.min():.4f} - {values.max():.4f} | {'-' if std is None else f'{std:.4f}'} |")  # fmt: skip
+        summary.append({"data": data, "family": family, "implementation": name, "config": config, "steps": steps,
+                        "bpc_by_seed": {str(k): v for k, v in sorted(by_seed.items())}, "bpc_mean": float(values.mean()),
+                        "bpc_min": float(values.min()), "bpc_max": float(values.max()), "bpc_std": std})  # fmt: skip
+    return summary
 
 
 if __name__ == "__main__":

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from script_utils import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "benchmark_decoding.py"
@@ -15,11 +14,7 @@ SCRIPT = REPO / "scripts" / "benchmark_decoding.py"
 
 @pytest.fixture
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_decoding", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark_decoding"] = module  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark_decoding")
 
 
 def test_rows_are_measured_and_added_to_an_existing_json(bench, tmp_path, monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,17 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_utils import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "benchmark_gpu.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("benchmark_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark_gpu"] = module  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark_gpu")
 
 
 def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
