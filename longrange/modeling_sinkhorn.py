@@ -50,12 +50,26 @@ _NEG = -1e30  # routing score of a candidate that may not be chosen (float32 rou
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def routing_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` in float32 whatever autocast says, for the routing summaries and scores: under bf16 autocast a
+    product would be rounded to bf16, enough to flip routing choices between a bf16 and a float32 step (the
+    Gumbel-Sinkhorn balancing most). Outside autocast exactly `a @ b` on float32 tensors."""
+    with torch.autocast(a.device.type, enabled=False):
+        return a.float() @ b.float()
+
+
+def routing_einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
+    """`torch.einsum` in float32 whatever autocast says (see routing_matmul)."""
+    with torch.autocast(operands[0].device.type, enabled=False):
+        return torch.einsum(equation, *(t.float() for t in operands))
+
+
 def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked per-bucket sums in float32. x: [b, h, L, d], mask: [b, L] -> sums [b, h, n, d], counts [b, n]."""
     b, h, length, d = x.shape
     n = length // bucket
     m = mask.view(b, n, bucket).to(torch.float32)
-    sums = torch.einsum("bhnsd,bns->bhnd", x.float().view(b, h, n, bucket, d), m)  # a batched matmul, no temporary
+    sums = routing_einsum("bhnsd,bns->bhnd", x.view(b, h, n, bucket, d), m)  # a batched matmul, no temporary
     return sums, m.sum(2)
 
 
@@ -328,19 +342,20 @@ class SinkhornHeads(nn.Module):
 
         if self.n_sortcut > 0:
             summary = q_sums.sum(2, keepdim=True) / q_counts.sum(1).clamp_min(1)[:, None, None, None]
-            scores = summary @ (k_sums / k_counts.clamp_min(1)[:, None, :, None]).transpose(-1, -2) * d**-0.5
+            scores = routing_matmul(summary, (k_sums / k_counts.clamp_min(1)[:, None, :, None]).transpose(-1, -2))
+            scores = scores * d**-0.5
             n_sel = min(self.n_sortcut, nk)
             valid = k_valid
         else:
             if self.sort_net is not None:
                 feats = torch.cat([q_sums, k_sums], dim=-1)  # [b, h, n, 2d] (self-attention: nq == nk)
-                scores = F.relu(torch.einsum("bhne,hem->bhnm", feats, self.sort_net.float()))[..., :nk]
+                scores = F.relu(routing_einsum("bhne,hem->bhnm", feats, self.sort_net))[..., :nk]
                 if self.simple_scores == "log_relu":
                     scores = torch.log(scores + 1e-6)
             else:
                 sq = q_sums / q_counts.clamp_min(1)[:, None, :, None]
                 sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
-                scores = sq @ sk.transpose(-1, -2) * d**-0.5  # [b, h, nq, nk]
+                scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, nq, nk]
             valid = k_valid
             exclude_own = self.include_own and not self.route_own_bucket
             if exclude_own:
@@ -503,7 +518,7 @@ class CausalSinkhornHeads(nn.Module):
             bv = v.reshape(b, h, nk, self.kv_bucket_size, d)
             k_sums, k_counts = bucket_sums(k, key_mask, self.kv_bucket_size)
             sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
-            scores = sq @ sk.transpose(-1, -2) * d**-0.5  # [b, h, n, nk]
+            scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, n, nk]
             valid = (k_counts > 0)[:, None, None, :]
             n_sel = min(self.n_top, nk)
             bank_k, bank_v, bank_m = bk, bv, key_mask.view(b, nk, self.kv_bucket_size)
@@ -524,8 +539,8 @@ class CausalSinkhornHeads(nn.Module):
             if self.zero_null_score:
                 null_scores = sq.new_zeros(b, h, n, n_null)
             else:
-                null_scores = sq @ null_keys.float().transpose(-1, -2)  # [b, h, n, n_null]
-            scores = torch.cat([null_scores, sq @ sk.transpose(-1, -2)], dim=-1) * d**-0.5
+                null_scores = routing_matmul(sq, null_keys.transpose(-1, -2))  # [b, h, n, n_null]
+            scores = torch.cat([null_scores, routing_matmul(sq, sk.transpose(-1, -2))], dim=-1) * d**-0.5
             earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)  # key bucket j < query bucket u
             real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
             valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=q.device), real_valid], dim=-1)
@@ -636,15 +651,17 @@ class CausalSinkhornHeads(nn.Module):
         b, h, d = sq.shape
         column = sq[..., None] * d**-0.5  # [b, h, d, 1]
         if self.cross:
-            scores = (sk @ column).transpose(-1, -2)  # [b, h, 1, n]
+            scores = routing_matmul(sk, column).transpose(-1, -2)  # [b, h, 1, n]
             valid = valid_real[:, None, None, :]
             n_sel = min(self.n_top, sk.shape[2])
         else:
             if self.zero_null_score:
                 null_scores = sq.new_zeros(b, h, self.n_top, 1)
             else:
-                null_scores = self.null_keys.float() @ column  # [b, h, n_null, 1]
-            scores = torch.cat([null_scores, sk @ column], dim=2).transpose(-1, -2)  # [b, h, 1, n_null + n]
+                null_scores = routing_matmul(self.null_keys, column)  # [b, h, n_null, 1]
+            scores = torch.cat([null_scores, routing_matmul(sk, column)], dim=2).transpose(
+                -1, -2
+            )  # [b, h, 1, n_null + n]
             nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
             valid = torch.cat([nulls, valid_real], dim=-1)[:, None, None, :]
             n_sel = self.n_top
@@ -840,8 +857,8 @@ class CausalSinkhornHeads(nn.Module):
                 state["k_run_sum"].copy_(weighted.sum(2))
                 state["k_run_count"].copy_(c.sum(1))
                 keys = run
-            state["k_sum"].copy_(torch.einsum("bhcd,bc,cn->bhnd", keys, c, per_bucket))
-            state["k_count"].copy_(c @ per_bucket)
+            state["k_sum"].copy_(routing_einsum("bhcd,bc,cn->bhnd", keys, c, per_bucket))
+            state["k_count"].copy_(routing_matmul(c, per_bucket))
             sk, k_valid = self._key_summaries(state, u)
         # the choice of the current bucket, made at its leading token
         lead = u * size - off  # [b] (-1: the shifted heads' virtual first token)

@@ -188,7 +188,9 @@ def test_bf16_training_step_is_finite_and_close_to_float32(name, mode):
     assert grads.numel() == reference_grads.numel() and torch.isfinite(grads).all()
     torch.testing.assert_close(loss.float(), reference, rtol=2e-2, atol=0)
     cosine = torch.nn.functional.cosine_similarity(grads, reference_grads, dim=0)
-    assert cosine > 0.99
+    # routing summaries and scores stay float32 under autocast (routing_matmul): with them in bf16 (torch 2.6's CPU
+    # autocast) the Gumbel-Sinkhorn case fell to 0.965
+    assert cosine > 0.999
 
 
 # ---- attention implementation ---------------------------------------------------------------------------------
