@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 # scripts/ holds evaluate.py: it must never shadow the `evaluate` library for anything imported from here
@@ -177,12 +178,14 @@ def reference(family: str, size: dict, args) -> dict:
     started = time.perf_counter()
     model.train()
     losses = []
-    for step in range(size["steps"]):
+    progress = tqdm(range(size["steps"]), desc=f"train {family} (reference)", mininterval=2.0)
+    for step in progress:
         losses.append(train_loss(batcher.batch(step)))
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        progress.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     seconds = time.perf_counter() - started
     model.eval()
     batches = eval_windows(streams.ids["validation"][: size["eval_tokens"]], window, 8)
