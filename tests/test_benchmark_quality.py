@@ -62,3 +62,39 @@ def test_mean_and_spread_per_corpus_side_and_config(tmp_path, capsys):
     paths[1].write_text(json.dumps(run("tinyshakespeare.txt", 0, 2.9, None)))
     with pytest.raises(SystemExit, match="seed 0 differ"):
         bench.main(["--summarize", *map(str, paths)])
+
+
+def test_parity_plot_draws_the_recorded_curves_per_corpus(tmp_path):
+    plot_parity = load_script("plot_parity")
+
+    def recorded(name, side, seed, data=None, bpc=None, curve=True):
+        run = {"run": name, "side": side, "seed": seed,
+               "implementation": "longrange" if side == "ours" else "sinkhorn-transformer 0.11.4"}  # fmt: skip
+        if data:
+            run["data"] = data
+        if bpc is not None:
+            run["validation_bits_per_char"] = bpc
+        if curve:
+            run[plot_parity.CURVE] = {"200": 2.0 + seed, "100": 2.5 + seed}  # (keys out of order, as strings)
+        return run
+
+    record = {"runs": [
+        recorded("j_ref_s1", "reference", 1, "tinyshakespeare.txt", 2.61),
+        recorded("j_ours_s0", "ours", 0, "tinyshakespeare.txt", 2.566),
+        recorded("h_reference", "reference", 0, bpc=2.634),  # no corpus recorded: Tiny Shakespeare
+        recorded("k_en_ours_s1", "ours", 1, "enwik8_small.xml"),
+        recorded("i_stopped", "ours", 0, "tinyshakespeare.txt", 2.9),  # not among --runs
+        recorded("j_no_curve", "ours", 2, "tinyshakespeare.txt", 2.5, curve=False),
+    ]}  # fmt: skip
+    path, out = tmp_path / "record.json", tmp_path / "images" / "parity.png"
+    path.write_text(json.dumps(record))
+    by_corpus = plot_parity.main(["--record", str(path), "--runs", "j_", "k_", "h_reference", "--out", str(out)])
+    assert list(by_corpus) == ["enwik8_small.xml", "tinyshakespeare.txt"]
+    shakespeare = by_corpus["tinyshakespeare.txt"]
+    assert [(r["side"], r["seed"]) for r in shakespeare] == [("ours", 0), ("reference", 0), ("reference", 1)]
+    assert shakespeare[0] == {"label": "longrange, seed 0: 2.566 bits/char", "side": "ours", "seed": 0,
+                              "steps": [100, 200], "losses": [2.5, 2.0]}  # fmt: skip
+    assert by_corpus["enwik8_small.xml"][0]["label"] == "longrange, seed 1"  # no validation figure recorded
+    assert out.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(SystemExit, match="no run to draw"):
+        plot_parity.main(["--record", str(path), "--runs", "z_", "--out", str(out)])
