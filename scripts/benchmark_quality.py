@@ -68,6 +68,14 @@ def load_train_script():
     return module
 
 
+def validation_units(streams) -> dict[str, float]:
+    """The validation split's bytes and characters per token, the conversions `scripts/train.py` applies to our
+    side: the reference side's losses go through the same ones, so bits per character compare like with like on
+    text with multi-byte characters too (the byte tokenizer's tokens are bytes, not characters)."""
+    return {"bytes_per_token": streams.bytes_per_token("validation"),
+            "chars_per_token": streams.chars_per_token("validation")}  # fmt: skip
+
+
 def ours(family: str, size: dict, args, workdir: Path) -> dict:
     """Train with scripts/train.py; evaluate with and without the memory carried across validation windows."""
     from accelerate.state import AcceleratorState, GradientState
@@ -97,8 +105,9 @@ def ours(family: str, size: dict, args, workdir: Path) -> dict:
     seconds = time.perf_counter() - started
     metrics = result["metrics"]
     losses = [record["lm_loss"] for record in result["train_history"]]
-    row = {"bpc": metrics["bits_per_char"], "seconds": seconds, "parameters": result["parameters"],
-           "train_loss_last20": float(np.mean(losses[-20:])), "train_loss": losses}  # fmt: skip
+    row = {"bpc": metrics["bits_per_char"], "bits_per_byte": metrics["bits_per_byte"], "seconds": seconds,
+           "parameters": result["parameters"], "train_loss_last20": float(np.mean(losses[-20:])),
+           "train_loss": losses}  # fmt: skip
     if family == "compressive":
         # the reference's setting: memories start empty in every validation window
         from transformers import AutoModelForCausalLM
@@ -107,7 +116,7 @@ def ours(family: str, size: dict, args, workdir: Path) -> dict:
         corpus = load_corpus(args.data, split=(0.9, 0.1), as_bytes=True)
         streams = tokenize_corpus(corpus, byte_tokenizer())
         batches = eval_windows(streams.ids["validation"][: size["eval_tokens"]], size["window"], 8)
-        fresh = evaluate_stream(model, batches, carry_cache=False, bytes_per_token=1.0, chars_per_token=1.0)
+        fresh = evaluate_stream(model, batches, carry_cache=False, **validation_units(streams))
         row["bpc_memory_per_window"] = fresh["bits_per_char"]
     return row
 
@@ -189,9 +198,11 @@ def reference(family: str, size: dict, args) -> dict:
     seconds = time.perf_counter() - started
     model.eval()
     batches = eval_windows(streams.ids["validation"][: size["eval_tokens"]], window, 8)
-    nats = np.mean([eval_loss(x) for x in batches])
+    bits = float(np.mean([eval_loss(x) for x in batches]) / math.log(2))  # per token (= per byte)
+    units = validation_units(streams)
     return {
-        "bpc": float(nats / math.log(2)),
+        "bpc": bits / units["chars_per_token"],
+        "bits_per_byte": bits / units["bytes_per_token"],
         "seconds": seconds,
         "parameters": sum(p.numel() for p in net.parameters()),
         "train_loss_last20": float(np.mean(losses[-20:])),
@@ -251,7 +262,7 @@ def main(argv=None) -> dict:
     print(
         f"{Path(args.data).name}, char level (byte tokenizer), 90/10 split; {size['layers']} layers x {size['hidden']} "
         f"wide, {size['heads']} heads, window {size['window']}, batch {size['batch']}, {size['steps']} steps, "
-        f"lr {args.learning_rate}; validation on the first {size['eval_tokens']:,} characters"
+        f"lr {args.learning_rate}; validation on the first {size['eval_tokens']:,} bytes of the validation split"
     )
     results = {"data": Path(args.data).name, "size": size, "learning_rate": args.learning_rate,
                "max_grad_norm": args.max_grad_norm, "seed": args.seed, "config": args.config, "rows": []}  # fmt: skip
@@ -264,20 +275,21 @@ def main(argv=None) -> dict:
             )
             results["rows"].append({"family": family, "ours": mine, "reference": ref, "reference_package": package})
     print()
-    print("| model | implementation | parameters | validation bits/char | training time (s) |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("| model | implementation | parameters | validation bits/char | bits/byte | training time (s) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for row in results["rows"]:
         mine, ref = row["ours"], row["reference"]
         label = "longrange (memory carried)" if row["family"] == "compressive" else "longrange"
         if mine:
-            print(f"| {row['family']} | {label} | {mine['parameters']:,} | {mine['bpc']:.4f} | {mine['seconds']:.0f} |")
+            print(f"| {row['family']} | {label} | {mine['parameters']:,} | {mine['bpc']:.4f} | "
+                  f"{mine['bits_per_byte']:.4f} | {mine['seconds']:.0f} |")  # fmt: skip
         if mine and "bpc_memory_per_window" in mine:
             print(
-                f"| {row['family']} | longrange (fresh memory per window) | | {mine['bpc_memory_per_window']:.4f} | |"
+                f"| {row['family']} | longrange (fresh memory per window) | | {mine['bpc_memory_per_window']:.4f} | | |"
             )
         if ref:
             print(f"| {row['family']} | {row['reference_package']} | {ref['parameters']:,} | {ref['bpc']:.4f} | "
-                  f"{ref['seconds']:.0f} |")  # fmt: skip
+                  f"{ref['bits_per_byte']:.4f} | {ref['seconds']:.0f} |")  # fmt: skip
     if args.json and not args.seeds_done:  # (--seeds writes every seed's results at the end)
         args.json.write_text(json.dumps(results, indent=2))
     return results

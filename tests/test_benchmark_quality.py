@@ -98,3 +98,23 @@ def test_parity_plot_draws_the_recorded_curves_per_corpus(tmp_path):
     assert out.read_bytes().startswith(b"\x89PNG")
     with pytest.raises(SystemExit, match="no run to draw"):
         plot_parity.main(["--record", str(path), "--runs", "z_", "--out", str(out)])
+
+
+@pytest.mark.parametrize("family", ["sinkhorn", "compressive"])
+def test_both_sides_report_the_same_units_on_text_with_multibyte_characters(tmp_path, family):
+    """The byte tokenizer's tokens are bytes: bits per character must divide by characters on both sides (the
+    reference side used to report bits per byte as bits per character)."""
+    pytest.importorskip("sinkhorn_transformer" if family == "sinkhorn" else "compressive_transformer_pytorch")
+    from conftest import generate_play
+
+    text = generate_play(60_000, seed=3).replace("e", "é")  # about a tenth of the characters take two bytes
+    bytes_per_char = len(text.encode("utf-8")) / len(text)
+    assert bytes_per_char > 1.05
+    corpus = tmp_path / "accents.txt"
+    corpus.write_text(text, encoding="utf-8")
+    out = tmp_path / "quality.json"
+    load_script("benchmark_quality").main(["--quick", "--models", family, "--data", str(corpus), "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    for side in ("ours", "reference"):
+        ratio = row[side]["bpc"] / row[side]["bits_per_byte"]  # = bytes per character of the validation split
+        assert math.isclose(ratio, bytes_per_char, rel_tol=0.02), (side, ratio, bytes_per_char)
