@@ -12,16 +12,12 @@ import sys
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
+from .cache_compressive import CompressiveMemoryCache
+from .cache_sinkhorn import SinkhornCache
 from .configuration_compressive import CompressiveConfig
 from .configuration_sinkhorn import SinkhornConfig
-from .modeling_compressive import (
-    CompressiveForCausalLM,
-    CompressiveMemoryCache,
-    CompressiveModel,
-    CompressivePreTrainedModel,
-)
+from .modeling_compressive import CompressiveForCausalLM, CompressiveModel, CompressivePreTrainedModel
 from .modeling_sinkhorn import (
-    SinkhornCache,
     SinkhornForCausalLM,
     SinkhornForMaskedLM,
     SinkhornModel,

@@ -46,9 +46,9 @@ from torch.utils.data import Dataset, SequentialSampler
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
+from .cache_compressive import CompressiveMemoryCache, CompressiveMemoryLayer, StaticLayout
 from .compat import TRAINER_COUNTS_PREDICTED_LABELS
 from .data import StreamBatcher
-from .modeling_compressive import CompressiveMemoryCache, CompressiveMemoryLayer, StaticLayout
 from .training import carries_cache
 
 # versions on which MemoryTrainer was checked against the plain streaming loop (tests/test_memory_trainer.py): 5.17

@@ -115,7 +115,13 @@ def test_saved_folder_loads_with_trust_remote_code_without_longrange(tmp_path):
     model.save_pretrained(tmp_path / "model")
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"].endswith("CompressiveForCausalLM")
-    for name in ("modeling_compressive.py", "configuration_compressive.py", "layers.py", "product_key_memory.py"):
+    for name in (
+        "modeling_compressive.py",
+        "cache_compressive.py",
+        "configuration_compressive.py",
+        "layers.py",
+        "product_key_memory.py",
+    ):
         assert (tmp_path / "model" / name).exists(), name
     ids = torch.randint(0, VOCAB, (1, 11))
     with torch.no_grad():

@@ -6,7 +6,8 @@ import math
 import torch
 
 from longrange.configuration_sinkhorn import SinkhornConfig
-from longrange.modeling_sinkhorn import CausalSinkhornHeads, SinkhornHeads, SinkhornSelfAttention
+from longrange.modeling_sinkhorn import SinkhornSelfAttention
+from longrange.sinkhorn_heads import CausalSinkhornHeads, SinkhornHeads
 
 
 def dense_attention(q, k, v, allowed):

@@ -90,7 +90,14 @@ def test_trust_remote_code_loads_from_a_fresh_folder_without_the_package(tmp_pat
     model = SinkhornForCausalLM(config).eval()
     folder = tmp_path / "saved"
     model.save_pretrained(folder)
-    for name in ("modeling_sinkhorn.py", "configuration_sinkhorn.py", "layers.py", "reversible.py"):
+    for name in (
+        "modeling_sinkhorn.py",
+        "sinkhorn_heads.py",
+        "cache_sinkhorn.py",
+        "configuration_sinkhorn.py",
+        "layers.py",
+        "reversible.py",
+    ):
         assert (folder / name).exists(), name
     ids = torch.randint(0, 40, (1, 19))
     with torch.no_grad():

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from longrange.cache_sinkhorn import SinkhornCache
 from longrange.configuration_sinkhorn import SinkhornConfig
-from longrange.modeling_sinkhorn import SinkhornCache, SinkhornForCausalLM, SinkhornForMaskedLM, SinkhornModel
+from longrange.modeling_sinkhorn import SinkhornForCausalLM, SinkhornForMaskedLM, SinkhornModel
 
 TINY = dict(vocab_size=40, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=8)
 
@@ -242,8 +243,8 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_memory_saver_options_shape_the_model_as_documented():
-    from longrange.modeling_sinkhorn import CausalSinkhornHeads, LocalHeads
     from longrange.product_key_memory import ProductKeyMemory, pkm_parameter_groups
+    from longrange.sinkhorn_heads import CausalSinkhornHeads, LocalHeads
 
     def count(model):
         return sum(p.numel() for p in model.parameters())

@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import CompileConfig, pipeline
 
+from longrange.cache_sinkhorn import SinkhornCache
 from longrange.compat import CACHE_NAME
 from longrange.configuration_sinkhorn import SinkhornConfig
-from longrange.modeling_sinkhorn import SinkhornCache, SinkhornForCausalLM
+from longrange.modeling_sinkhorn import SinkhornForCausalLM
 from longrange.tokenization import byte_tokenizer
 from tests.dispatch_utils import (
     count_dispatched_ops,

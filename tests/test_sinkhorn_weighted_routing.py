@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM
-from longrange.modeling_sinkhorn import CausalSinkhornHeads, SinkhornHeads
+from longrange.sinkhorn_heads import CausalSinkhornHeads, SinkhornHeads
 
 TINY = dict(vocab_size=40, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=4)
 
