@@ -528,14 +528,7 @@ class CausalSinkhornHeads(nn.Module):
             null_m[:, :, 0 if not self.null_copies else slice(None)] = True
             bank_m = torch.cat([null_m, key_mask.view(b, n, size)], dim=1)  # [b, n_null + n, B]
 
-        idx, picked_valid, scale = select_buckets(
-            scores,
-            valid,
-            n_sel,
-            self.temperature,
-            weighted=self.weight_routed_values,
-            sequential=self.sequential_weights,
-        )  # [b, h, n, n_sel]
+        idx, picked_valid, scale = self._select(scores, valid, n_sel)  # [b, h, n, n_sel]
         bi, hi = _batch_head_index(b, h, 4, q.device)
         routed_k = bank_k[bi, hi, idx]  # [b, h, n, n_sel, B, d]
         routed_v = bank_v[bi, hi, idx]
@@ -615,6 +608,17 @@ class CausalSinkhornHeads(nn.Module):
     # Static shapes and no host reads: every step computes a routing choice and keeps it only in the rows whose
     # token leads a bucket (torch.where); positions are per-row tensors.
 
+    def _select(self, scores, valid, n_sel):
+        """`select_buckets` with this group's routing options (a causal group never runs Sinkhorn balancing)."""
+        return select_buckets(
+            scores,
+            valid,
+            n_sel,
+            self.temperature,
+            weighted=self.weight_routed_values,
+            sequential=self.sequential_weights,
+        )
+
     def _choose(self, sq, sk, valid_real):
         """Routing of one query bucket per row from the query summary sq [b, h, d] over the key-bucket summaries
         sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
@@ -636,14 +640,7 @@ class CausalSinkhornHeads(nn.Module):
             nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
             valid = torch.cat([nulls, valid_real], dim=-1)[:, None, None, :]
             n_sel = self.n_top
-        idx, picked_valid, weight = select_buckets(
-            scores,
-            valid,
-            n_sel,
-            self.temperature,
-            weighted=self.weight_routed_values,
-            sequential=self.sequential_weights,
-        )
+        idx, picked_valid, weight = self._select(scores, valid, n_sel)
         return idx[:, :, 0], picked_valid[:, :, 0], weight[:, :, 0] if self.weight_routed_values else None
 
     def _key_summaries(self, state, u):
