@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from .layers import put_along
+
 
 class CompressiveMemoryLayer:
     """One layer's memories, in one of two forms. Every tensor is detached; batch is always dimension 0.
@@ -219,10 +221,9 @@ def gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def write_slots(buffer: torch.Tensor, index: torch.Tensor, take: torch.Tensor, values: torch.Tensor) -> None:
     """buffer's slots `index` [batch, n] (distinct per row) <- values where take [batch, n], unchanged elsewhere."""
-    full_index = slot_index(buffer, index)
     dim = slot_dim(buffer)
     take = take.view(*take.shape[:1], *([1] * (dim - 1)), take.shape[1], *([1] * (buffer.dim() - dim - 1)))
-    buffer.scatter_(dim, full_index, torch.where(take, values, buffer.gather(dim, full_index)))
+    put_along(buffer, dim, index, torch.where(take, values, gather_slots(buffer, index)))
 
 
 class CompressiveMemoryCache(Cache):

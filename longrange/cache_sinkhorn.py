@@ -13,6 +13,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .configuration_sinkhorn import SinkhornConfig
+from .layers import put_along
 from .sinkhorn_heads import bucket_sums
 
 
@@ -132,10 +133,9 @@ class SinkhornLayerState:
 
     def append_kv(self, k, v, position):
         """Write the new token's keys/values [b, H, 1, d] at each row's `position` [b], in place."""
-        b, h, _, d = k.shape
-        index = (position + self.owner.origin)[:, None, None, None].expand(b, h, 1, d)
-        self.keys.scatter_(2, index, k)
-        self.values.scatter_(2, index, v)
+        slot = (position + self.owner.origin)[:, None]
+        put_along(self.keys, 2, slot, k)
+        put_along(self.values, 2, slot, v)
         return self.keys, self.values
 
     def resize(self, capacity: int, bucket_capacity: int) -> None:

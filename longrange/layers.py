@@ -350,6 +350,29 @@ def _register_blockwise() -> None:
 _register_blockwise()
 
 
+def put_along(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
+    """In place, buffer[b, .., index[b, j], ..] = values[b, .., j, ..] along `dim` (1, or 2 with the same slots for
+    every entry of dim 1, the heads), for index [batch, n] (distinct per row): how the static caches write.
+
+    Eager, a `scatter_` (the cheaper call: 15 us against 40 us for an `index_put_` on a [1, 8, 1100, 64] buffer on
+    the CPU). Compiled (inductor), an `index_put_`: there a `scatter_` rewrites the whole buffer on every call (an
+    8 MiB buffer on the CPU: 1 ms against 70 us), and a compiled decoding step would cost more as the cache's
+    capacity grows."""
+    if dim not in (1, 2):
+        raise ValueError(f"put_along: dim must be 1 or 2, got {dim}")
+    if not torch.compiler.is_compiling():
+        view = (slice(None),) + (None,) * (dim - 1) + (slice(None),) + (None,) * (buffer.dim() - dim - 1)
+        buffer.scatter_(dim, index[view].expand(values.shape), values)
+        return
+    rows = torch.arange(index.shape[0], device=index.device)
+    if dim == 1:
+        indices = (rows[:, None], index)
+    else:
+        heads = torch.arange(buffer.shape[1], device=index.device)
+        indices = (rows[:, None, None], heads[None, :, None], index[:, None, :])
+    buffer.index_put_(indices, values)
+
+
 def real_tokens_first(valid: torch.Tensor) -> torch.Tensor:
     """[batch, seq] bool (True = real token) -> [batch, seq] indices that put each row's real tokens first, in
     their order, then its padding (a stable sort): what both models use so that padding never moves a row's

@@ -46,6 +46,7 @@ from .layers import (
     attend,
     blockwise_attention,
     check_token_ids,
+    put_along,
     real_tokens_first,
     register_fsdp_methods,
     sinusoidal_embedding,
@@ -417,9 +418,8 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
             keys = torch.cat([memory_keys, new_keys], dim=2)
             values = torch.cat([memory_values, new_values], dim=2)
         elif write_index is not None:
-            index = write_index[:, None, None, None].expand(-1, new_keys.shape[1], 1, new_keys.shape[3])
-            memory_keys.scatter_(2, index, new_keys)
-            memory_values.scatter_(2, index, new_values)
+            put_along(memory_keys, 2, write_index[:, None], new_keys)
+            put_along(memory_values, 2, write_index[:, None], new_values)
             keys, values = memory_keys, memory_values
         else:
             end = memory_length + new_keys.shape[2]
@@ -1067,9 +1067,8 @@ class CompressiveModel(CompressivePreTrainedModel):
 
         layer_outputs = []
         for layer, state in zip(self.layers, cache.layers):
-            hidden = hidden_states.shape[-1]
-            state.ring.scatter_(1, write[:, None, None].expand(-1, 1, hidden), hidden_states)
-            state.ring_real.scatter_(1, write[:, None], token_valid[:, None])
+            put_along(state.ring, 1, write[:, None], hidden_states)
+            put_along(state.ring_real, 1, write[:, None], token_valid[:, None])
             mask = (in_window & state.ring_real)[:, None, None, :]  # the new token is visible: written above
             out, _, _, _, weights = layer(
                 hidden_states,
@@ -1176,7 +1175,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             results.append((compressed, *layer.project_memory(compressed), compressed_valid))
         for buffers, values in zip(targets, results):
             for buffer, value in zip(buffers, values):
-                buffer.scatter_(slot_dim(buffer), slot_index(buffer, slot), value)
+                put_along(buffer, slot_dim(buffer), slot, value)
 
     def _select_most_used(self, layer, state, start, evicted, new_entries, layout) -> torch.Tensor:
         """Most-used compression: the slots [batch, max_new_entries] of the tokens each row keeps from its evicted

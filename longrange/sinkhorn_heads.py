@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import attend
+from .layers import attend, put_along
 
 _NEG = -1e30  # routing score of a candidate that may not be chosen (float32 routing math)
 
@@ -704,7 +704,7 @@ class CausalSinkhornHeads(nn.Module):
             new_k = run * ix["weight"][:, None, None]
         state["k_sum"].scatter_add_(2, ix["bucket"], new_k[:, :, None])
         state["k_count"].scatter_add_(1, u[:, None], ix["weight"][:, None])
-        state["queries"].scatter_(2, ix["token"], q.to(state["queries"].dtype))
+        put_along(state["queries"], 2, position[:, None], q.to(state["queries"].dtype))
         if host is None:
             self.route_step(q, position, counted, state, u=u)
             keys_all, values_all, bias = self._window(keys, values, heads, position, u, state, q.dtype)
@@ -734,7 +734,7 @@ class CausalSinkhornHeads(nn.Module):
 
     def _step_index(self, position, real, b, h, d):
         """The index tensors of a step: query bucket u [b], the tokens that enter the routing summaries (bool and
-        float [b]), and for [b, h, ., d] buffers the slots of u, of the token and of its own-bucket window slot."""
+        float [b]), and for [b, h, ., d] buffers the slots of u and of the token's own-bucket window slot."""
         size, off = self.bucket_size, self.offset
         u = torch.div(position + off, size, rounding_mode="floor")
         counted = real & (u > 0) if self.skip_first else real
@@ -744,7 +744,6 @@ class CausalSinkhornHeads(nn.Module):
             counted=counted,
             weight=counted.float(),
             bucket=u[:, None, None, None].expand(b, h, 1, d),
-            token=position[:, None, None, None].expand(b, h, 1, d),
             own=own[:, None, None, None].expand(b, h, 1, d),
         )
 
@@ -784,7 +783,7 @@ class CausalSinkhornHeads(nn.Module):
         """Causal decoder cross-attention of one new token per row. ctx: the cached context (bucketed keys, values,
         mask and summaries)."""
         b, h, _, d = q.shape
-        state["queries"].scatter_(2, position[:, None, None, None].expand(b, h, 1, d), q.to(state["queries"].dtype))
+        put_along(state["queries"], 2, position[:, None], q.to(state["queries"].dtype))
         self.route_step(q, position, real, state, ctx["sk"], ctx["k_valid"])
         choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
         bi, hi = _batch_head_index(b, h, 3, q.device)

@@ -6,6 +6,11 @@ The model and tokenizer load through the Auto classes (`AutoModelForCausalLM`, `
 longrange folders (with the package installed, or with `--trust_remote_code` from the code saved in the folder) and
 for any other causal LM. Tokens are printed by `transformers.TextStreamer` while decoding; beam search
 (`--num_beams` > 1) prints the finished text instead, since beams are only final at the end.
+
+Fastest on a GPU: `--device cuda --dtype bfloat16` (the default `--compile auto` lets `generate()` compile the
+decoding step and capture it in CUDA graphs, as it does for any model whose cache is compileable, ours included).
+`--compile always` compiles on every device (on the CPU too: there eager and compiled steps are about as fast);
+`--compile never` keeps every step eager.
 """
 
 from __future__ import annotations
@@ -18,6 +23,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_
 
 import longrange  # noqa: F401  registers the longrange model types with the Auto classes
 from longrange.hub import check_model_source
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def compile_options(mode: str) -> dict:
+    """generate() keyword arguments for `--compile`: nothing (transformers' own rule), a compile config that also
+    applies off CUDA, or no compilation."""
+    if mode == "never":
+        return {"disable_compile": True}
+    if mode == "always":
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True)
+        config._compile_all_devices = True  # transformers' switch for compiling off CUDA
+        return {"compile_config": config}
+    return {}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,6 +58,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no_stream", action="store_true", help="print only the finished text")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights' dtype: auto (as saved), float32, bfloat16 (fastest on GPUs), float16",
+    )
+    p.add_argument(
+        "--compile",
+        default="auto",
+        choices=("auto", "always", "never"),
+        help="compile the decoding step: auto (generate() decides: on CUDA when the cache is compileable), always "
+        "(every device), never",
+    )
     p.add_argument("--trust_remote_code", action="store_true", help="run the modeling code saved with the model")
     args = p.parse_args(argv)
     checks = [
@@ -61,7 +95,8 @@ def main(argv=None) -> list[str]:
     set_seed(args.seed)
     check_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code, dtype=dtype)
     model.to(args.device).eval()
 
     if args.prompt:
@@ -86,6 +121,7 @@ def main(argv=None) -> list[str]:
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         streamer=streamer,
         **sampling,
+        **compile_options(args.compile),
     )
     texts = tokenizer.batch_decode(output, skip_special_tokens=True)
     if streamer is None:

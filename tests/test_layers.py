@@ -120,3 +120,23 @@ def test_real_tokens_first_keeps_each_rows_real_tokens_in_order_then_its_padding
     valid = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 0]], dtype=torch.bool)
     expected = [[i for i, v in enumerate(row) if v] + [i for i, v in enumerate(row) if not v] for row in valid.tolist()]
     assert real_tokens_first(valid).tolist() == expected
+
+
+@pytest.mark.parametrize("shape, dim", [((3, 9), 1), ((3, 9, 4), 1), ((3, 2, 9, 4), 2), ((3, 2, 9), 2)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_put_along_writes_each_rows_slots_and_nothing_else(shape, dim, compiled):
+    from longrange.layers import put_along
+
+    generator = torch.Generator().manual_seed(0)
+    buffer = torch.randn(shape, generator=generator)
+    index = torch.tensor([[4, 0], [8, 2], [1, 7]])  # [batch, n]: distinct slots per row
+    values = torch.randn(*shape[:dim], 2, *shape[dim + 1 :], generator=generator)
+    expected = buffer.clone()
+    for row in range(shape[0]):  # the writes one by one
+        for j, slot in enumerate(index[row].tolist()):
+            target = (row, slice(None), slot) if dim == 2 else (row, slot)
+            source = (row, slice(None), j) if dim == 2 else (row, j)
+            expected[target] = values[source]
+    write = torch.compile(put_along, fullgraph=True, backend="aot_eager") if compiled else put_along
+    write(buffer, dim, index, values)
+    assert torch.equal(buffer, expected)

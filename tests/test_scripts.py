@@ -321,6 +321,56 @@ def test_generate_streams_and_matches_greedy(saved, capsys):
     assert sampled == again  # same --seed, same sample
 
 
+class _Loaded:
+    """Stands in for AutoModelForCausalLM in scripts/generate.py: loads as it does and keeps what was loaded, with
+    the keyword arguments of every generate() call."""
+
+    def __init__(self):
+        self.models, self.calls = [], []
+
+    def from_pretrained(self, *args, **kwargs):
+        model = AutoModelForCausalLM.from_pretrained(*args, **kwargs)
+        generate, calls = model.generate, self.calls
+
+        def recorded(*a, **kw):
+            calls.append(kw)
+            return generate(*a, **kw)
+
+        model.generate = recorded
+        self.models.append(model)
+        return model
+
+
+def test_generate_loads_the_dtype_asked_for_and_can_turn_compilation_off(saved, monkeypatch):
+    generate = load_script("generate")
+    loaded = _Loaded()
+    monkeypatch.setattr(generate, "AutoModelForCausalLM", loaded)
+    args = [str(saved), "--prompt", "KING:", "--max_new_tokens", "4", "--no_stream"]
+    (text,) = generate.main([*args, "--dtype", "bfloat16", "--compile", "never"])
+    assert loaded.models[-1].dtype == torch.bfloat16 and text.startswith("KING:")
+    assert loaded.calls[-1]["disable_compile"] is True
+    generate.main(args)  # defaults: the saved dtype, and generate()'s own compile rule
+    assert loaded.models[-1].dtype == torch.float32
+    assert "disable_compile" not in loaded.calls[-1] and "compile_config" not in loaded.calls[-1]
+
+
+@pytest.mark.slow
+def test_generate_compile_always_compiles_on_the_cpu_and_gives_the_eager_text(saved, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    generate = load_script("generate")
+    args = [str(saved), "--prompt", "KING:", "--max_new_tokens", "10", "--no_stream"]
+    eager = generate.main([*args, "--compile", "never"])
+    torch._dynamo.reset()
+    before = sum(counters["stats"].values())
+    try:
+        compiled = generate.main([*args, "--compile", "always"])
+        assert sum(counters["stats"].values()) > before  # something was compiled
+    finally:
+        torch._dynamo.reset()
+    assert compiled == eager
+
+
 def test_generate_rejects_bad_options(saved):
     generate = load_script("generate")
     for bad in (["--top_p", "0"], ["--temperature", "0"], ["--max_new_tokens", "0"]):
