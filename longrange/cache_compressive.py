@@ -239,6 +239,7 @@ class CompressiveMemoryCache(Cache):
     to one graph that reads nothing back to the host. The model converts between the forms as needed.
     """
 
+    model_type = "compressive"  # the model it belongs to (a cache handed to the other model is refused)
     _ROWS = ("rows_seen", "rows_start", "rows_pending", "rows_compressed", "rows_history")
 
     def __init__(self, num_hidden_layers: int, crop_margin: int = 0):

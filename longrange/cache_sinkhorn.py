@@ -195,6 +195,8 @@ class SinkhornCache(Cache):
     cache on an accelerator and, with `static_steps=True`, every step take the static path.
     """
 
+    model_type = "sinkhorn"  # the model it belongs to (a cache handed to the other model is refused)
+
     def __init__(
         self,
         config: SinkhornConfig,

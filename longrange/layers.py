@@ -15,21 +15,6 @@ from torch import nn
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Refuses token ids outside [0, vocab_size) without reading a value back to the host: an asynchronous device
-    assert (a CUDA step never waits for it), which is also what a compiled graph keeps. Eager calls turn the
-    failure into a ValueError naming vocab_size; on an accelerator it surfaces as a device-side assert."""
-    in_range = ((input_ids >= 0) & (input_ids < vocab_size)).all()
-    message = f"input_ids must lie in [0, vocab_size={vocab_size})"
-    if torch.compiler.is_compiling() or input_ids.device.type != "cpu":
-        torch._assert_async(in_range, message)
-        return
-    try:
-        torch._assert_async(in_range, message)
-    except RuntimeError as error:
-        raise ValueError(f"{message}, got values in [{input_ids.min()}, {input_ids.max()}]") from error
-
-
 def register_fsdp_methods(layers: nn.ModuleList) -> None:
     """Per-layer FSDP units (FSDP2's `fully_shard` on each layer, as Accelerate's `TRANSFORMER_BASED_WRAP` does
     with `_no_split_modules`): registers each layer's `FSDP_FORWARD_METHODS` (the methods the model calls on a layer

@@ -41,11 +41,11 @@ from .cache_compressive import (
 )
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding
 from .configuration_compressive import CompressiveConfig
+from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import (
     FeedForward,
     attend,
     blockwise_attention,
-    check_token_ids,
     put_along,
     real_tokens_first,
     register_fsdp_methods,
@@ -641,8 +641,10 @@ class CompressiveModel(CompressivePreTrainedModel):
             )
         if cache is None:
             cache = past_key_values
-        if cache is not None and not isinstance(cache, CompressiveMemoryCache):
-            raise TypeError(f"cache must be a CompressiveMemoryCache, got {type(cache).__name__}")
+        if cache is not None:
+            check_cache(cache, "compressive", 0, 0)
+            if not isinstance(cache, CompressiveMemoryCache):
+                raise TypeError(f"cache must be a CompressiveMemoryCache, got {type(cache).__name__}")
         if cache is not None and cache.crop_margin and self.track_usage:
             raise ValueError(
                 "a CompressiveMemoryCache with crop_margin > 0 (croppable, e.g. for assisted decoding) needs a "
@@ -658,8 +660,8 @@ class CompressiveModel(CompressivePreTrainedModel):
         batch, seq_len, _ = hidden_states.shape
         if cache is None:
             cache = CompressiveMemoryCache(config.num_hidden_layers)
-        elif not cache.layers[0].is_empty and cache.layers[0].batch_size != batch:
-            raise ValueError(f"cache holds batch size {cache.layers[0].batch_size}, inputs have batch size {batch}")
+        else:
+            check_cache(cache, "compressive", batch, 0 if cache.layers[0].is_empty else cache.layers[0].batch_size)
         valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
 
         # decoding (one token, no gradient): the static form, each row at its own fill, fixed shapes, nothing read
@@ -856,25 +858,8 @@ class CompressiveModel(CompressivePreTrainedModel):
         )
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if input_ids is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-            if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-                raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)})")
-            if input_ids.dtype.is_floating_point:
-                raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-            check_token_ids(input_ids, self.config.vocab_size)
-            inputs_embeds = self.embed_tokens(input_ids)
-        else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-                raise ValueError(
-                    f"inputs_embeds must be [batch, seq, {self.config.hidden_size}], got {tuple(inputs_embeds.shape)}"
-                )
-            if inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
-                raise ValueError(f"inputs_embeds is empty (shape {tuple(inputs_embeds.shape)})")
-        return self.dropout(inputs_embeds)
+        check_tokens(input_ids, inputs_embeds, self.config.vocab_size, self.config.hidden_size)
+        return self.dropout(self.embed_tokens(input_ids) if input_ids is not None else inputs_embeds)
 
     @staticmethod
     def _token_validity(attention_mask, batch, seq_len, seen, device) -> torch.Tensor:
@@ -882,17 +867,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         it, every token seen so far plus the new ones; the cache already holds the validity of the older ones."""
         if attention_mask is None:
             return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
-        allowed_lengths = (seq_len, seen + seq_len)
-        if (
-            attention_mask.dim() != 2
-            or attention_mask.shape[0] != batch
-            or attention_mask.shape[1] not in allowed_lengths
-        ):
-            raise ValueError(
-                f"attention_mask must be [batch={batch}, {seq_len}] (new tokens) or [batch={batch}, "
-                f"{seen + seq_len}] (all tokens so far), got shape {tuple(attention_mask.shape)}"
-            )
-        return attention_mask[:, -seq_len:].to(device=device, dtype=torch.bool)
+        return check_mask(attention_mask, batch, (seq_len, seen + seq_len), seq_len).to(device=device)
 
     def _relative_table(self, layer, length: int, like: torch.Tensor) -> torch.Tensor:
         # [heads, d_head, length]: the layer's projected sinusoidal encodings of distances length - 1 ... 0, so that
@@ -1382,9 +1357,12 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CompressiveCausalLMOutput | tuple:
         """labels [batch, seq] are shifted here (HF convention; -100 ignored): position t predicts labels[t + 1],
-        over the whole input, across segment boundaries. `num_items_in_batch` (from Trainer) normalises the sum."""
+        over the whole input, across segment boundaries. `shift_labels` [batch, seq] (already shifted: position t
+        predicts shift_labels[t], as Trainer passes them under sequence parallelism) may replace labels.
+        `num_items_in_batch` (from Trainer) normalises the sum."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1403,16 +1381,10 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
 
         loss = lm_loss = None
         reconstruction_loss = outputs.reconstruction_loss
-        if labels is not None:
-            if labels.shape != logits.shape[:2]:
-                raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-            shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-            shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
-            if num_items_in_batch is None:
-                lm_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
-            else:
-                lm_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-                lm_loss = lm_loss / torch.as_tensor(num_items_in_batch, device=lm_loss.device)
+        if check_lm_labels(labels, shift_labels, logits.shape[:2], self.config.vocab_size):
+            lm_loss = self.loss_function(
+                logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
+            )
             loss = lm_loss
             if reconstruction_loss is not None:
                 loss = lm_loss + self.config.reconstruction_loss_weight * reconstruction_loss

@@ -40,7 +40,8 @@ from transformers.utils.generic import can_return_tuple
 from .cache_sinkhorn import SinkhornCache
 from .compat import cache_output, check_assisted_decoding
 from .configuration_sinkhorn import SinkhornConfig
-from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, check_token_ids, real_tokens_first
+from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
+from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, real_tokens_first
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
 from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads, causal_pair
@@ -633,11 +634,6 @@ def _permute_map(t: torch.Tensor, order: torch.Tensor | None, keys: bool) -> tor
     return t.gather(3, order[:, None, None, :].expand(b, h, length, k)) if keys else t
 
 
-def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int], name: str) -> None:
-    if mask is not None and tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} (batch, sequence), got {tuple(mask.shape)}")
-
-
 class SinkhornModel(SinkhornPreTrainedModel):
     """Token ids (or `inputs_embeds`) to hidden states (the seed's `SinkhornTransformer` / `return_embeddings`).
 
@@ -717,9 +713,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 "SinkhornModel: output_attentions with layer_dropout > 0 in training mode is not supported (a "
                 "dropped layer attends nothing); call model.eval() first"
             )
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("SinkhornModel: pass exactly one of input_ids or inputs_embeds")
+        batch, length = check_tokens(input_ids, inputs_embeds, config.vocab_size, config.embedding_size)
         cache = cache if cache is not None else past_key_values
+        if cache is not None:
+            check_cache(cache, "sinkhorn", batch, cache.batch_size if isinstance(cache, SinkhornCache) else 0)
         # a cache is for generation: by default none in training mode, and only a causal model can use one
         if use_cache is None:
             use_cache = config.use_cache and not self.training
@@ -746,7 +743,6 @@ class SinkhornModel(SinkhornPreTrainedModel):
         if not use_cache:
             cache = None
 
-        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         stepping = cache is not None and cache.prefilled
         if output_attentions and stepping:
             raise ValueError(
@@ -760,13 +756,9 @@ class SinkhornModel(SinkhornPreTrainedModel):
                 f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings "
                 f"({config.max_position_embeddings})"
             )
-        if input_ids is not None:
-            check_token_ids(input_ids, config.vocab_size)
-        if attention_mask is not None:
-            if stepping and attention_mask.dim() == 2 and attention_mask.shape[1] > length:
-                attention_mask = attention_mask[:, -length:]  # generate() passes the mask of the whole sequence so far
-            _check_mask(attention_mask, (batch, length), "attention_mask")
-            attention_mask = attention_mask.bool()
+        if attention_mask is not None:  # generate() passes the mask of the whole sequence so far
+            so_far = past + length if past is not None else getattr(attention_mask, "shape", (0, length))[-1]
+            attention_mask = check_mask(attention_mask, batch, (length, so_far) if stepping else (length,), length)
 
         # several new tokens on top of a filled cache: feed them one at a time (exact, generation-only path)
         if stepping and length > 1:
@@ -913,12 +905,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
 
     def _pad_context(self, context: torch.Tensor, context_mask: torch.Tensor | None):
         b, lc, _ = context.shape
-        _check_mask(context_mask, (b, lc), "encoder_attention_mask")
-        mask = (
-            context_mask.bool()
-            if context_mask is not None
-            else torch.ones(b, lc, dtype=torch.bool, device=context.device)
-        )
+        if context_mask is not None:
+            mask = check_mask(context_mask, b, (lc,), lc, "encoder_attention_mask")
+        else:
+            mask = torch.ones(b, lc, dtype=torch.bool, device=context.device)
         pad = (-lc) % self.config.context_bucket
         return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
 
@@ -1015,13 +1005,16 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
         logits_to_keep: int = 0,
         **kwargs,
     ) -> SinkhornCausalLMOutput:
-        if (
-            self.training
-            and self.config.randomly_truncate_sequence
-            and input_ids is not None
-            and input_ids.shape[1] > 2
-        ):
-            input_ids, attention_mask, labels = self._random_truncate(input_ids, attention_mask, labels)
+        shift_labels = kwargs.pop("shift_labels", None)
+        if self.training and self.config.randomly_truncate_sequence and input_ids is not None:
+            check_tokens(input_ids, None, self.config.vocab_size, self.config.embedding_size)
+            if shift_labels is not None:
+                raise ValueError(
+                    "shift_labels cannot be used with randomly_truncate_sequence=True (the truncation moves each "
+                    "row's tokens; pass labels, which it moves with them)"
+                )
+            if input_ids.shape[1] > 2:
+                input_ids, attention_mask, labels = self._random_truncate(input_ids, attention_mask, labels)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1040,8 +1033,8 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
             hidden = hidden[:, -logits_to_keep:]
         logits = self._logits(hidden)
         loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        if check_lm_labels(labels, shift_labels, logits.shape[:2], self.config.vocab_size):
+            loss = self.loss_function(logits, labels, self.config.vocab_size, shift_labels=shift_labels, **kwargs)
         return SinkhornCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -1084,6 +1077,7 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
         logits = self._logits(outputs.last_hidden_state)
         loss = None
         if labels is not None:
+            check_labels(labels, logits.shape[:2], self.config.vocab_size)
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return SinkhornMaskedLMOutput(
             loss=loss,
