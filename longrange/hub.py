@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import ModelCard, ModelCardData
+
 MODEL_NAMES = {
     "compressive": "Compressive Transformer",
     "sinkhorn": "Sinkhorn Transformer",
@@ -81,7 +83,8 @@ def write_model_card(
     repo_id: str | None = None,
     extra: str | None = None,
 ) -> Path:
-    """Write `folder/README.md`, the Hub model card, and return its path.
+    """Write `folder/README.md`, the Hub model card (a `huggingface_hub.ModelCard`: `ModelCardData` metadata, then
+    the markdown below), and return its path.
 
     folder: a `save_pretrained` folder; its `config.json` is read when `model` is not given.
     model / tokenizer: optional live objects (parameter count, tokenizer class and vocabulary size).
@@ -104,17 +107,12 @@ def write_model_card(
     model_type = config.get("model_type", "unknown")
     name = MODEL_NAMES.get(model_type, model_type)
     load_name = repo_id or str(folder)
+    # the metadata block the Hub reads (library, task, tags), written by huggingface_hub
+    metadata = ModelCardData(
+        library_name="transformers", pipeline_tag="text-generation", tags=["longrange", model_type, "custom_code"]
+    )
 
     lines = [
-        "---",
-        "library_name: transformers",
-        "pipeline_tag: text-generation",
-        "tags:",
-        "- longrange",
-        f"- {model_type}",
-        "- custom_code",
-        "---",
-        "",
         f"# {repo_id.split('/')[-1] if repo_id else name}",
         "",
         f"A {name} language model built with [longrange](https://pypi.org/project/longrange-transformers/)"
@@ -164,9 +162,9 @@ def write_model_card(
     ]
     if extra:
         lines += ["", extra]
-    card = folder / "README.md"
-    card.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return card
+    path = folder / "README.md"
+    ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n").save(path)
+    return path
 
 
 def prepare_hub_folder(

@@ -9,6 +9,7 @@ import evaluate
 import numpy as np
 import pytest
 import torch
+from huggingface_hub import ModelCard
 
 from longrange import CompressiveConfig, CompressiveForCausalLM
 from longrange.hub import check_model_source, prepare_hub_folder, push_folder, write_model_card
@@ -74,6 +75,13 @@ def test_model_card_has_data_config_metrics_and_usage(saved_compressive):
     assert "| `learning_rate` | 0.0003 |" in card
     assert 'AutoModelForCausalLM.from_pretrained("me/tiny-compressive", trust_remote_code=True)' in card
     assert "Compressive Transformers for Long-Range Sequence Modelling" in card
+    # the metadata block, as the Hub reads it
+    metadata = ModelCard.load(folder / "README.md").data.to_dict()
+    assert metadata == {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["longrange", "compressive", "custom_code"],
+    }
     # without a live model, the card reads config.json in the folder
     assert "| `segment_length` | 8 |" in write_model_card(folder).read_text()
 
