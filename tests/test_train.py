@@ -238,6 +238,22 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_the_floor():
         assert factor(step) == pytest.approx(value), step
 
 
+@pytest.mark.parametrize("warmup, total, floor", [(4, 20, 0.1), (60, 1200, 0.1), (1, 100, 0.0), (12, 250, 0.05)])
+def test_learning_rate_decay_is_transformers_cosine_with_min_lr(warmup, total, floor):
+    # the schedule is transformers' from the end of the warm-up to the last step, value for value; the warm-up is
+    # one step ahead of transformers' (which trains its first step at 0), and the floor holds past the last step
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from longrange.training import warmup_cosine
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total, min_lr_rate=floor).lr_lambdas[0]
+    ours = warmup_cosine(warmup, total, floor)
+    assert [ours(step) for step in range(warmup, total + 1)] == [theirs(step) for step in range(warmup, total + 1)]
+    assert [ours(step) for step in range(warmup)] == [theirs(step + 1) for step in range(warmup)]
+    assert theirs(0) == 0.0 and ours(total + total // 2) == floor
+
+
 @pytest.mark.slow  # inductor compiles forward and backward on the CPU: minutes on 2 busy cores
 def test_compiled_training_matches_eager_training(tmp_path, play_file):
     # the Compressive model: streaming, its memory carried from step to step through the compiled forward
