@@ -230,6 +230,9 @@ class SinkhornCache(Cache):
         self.step_memo = None  # and the index tensors its layers share (see CausalSinkhornHeads.step)
         self.host_epoch = 0  # bumped whenever the state changes outside host-following steps (windows go stale)
         self._compiled_step = False  # a compiled step ran since the last eager one (windows are stale)
+        # while attention maps are asked for (output_attentions): (embeddings [b, n, e], position ids [b, n],
+        # context, context mask) of every token given so far, for the maps of later cached steps
+        self.recorded = None
 
     # -- bookkeeping used by the model -------------------------------------------------------------------------
 
@@ -353,8 +356,20 @@ class SinkhornCache(Cache):
 
         self.lengths = remap(self.lengths)
         self.token_mask = remap(self.token_mask)
+        if self.recorded is not None:
+            self.recorded = tuple(None if t is None else fn(t) for t in self.recorded)
         for layer in self.layers:
             layer._apply(remap)
+
+    def record_inputs(self, embeds, positions, context=None, context_mask=None) -> None:
+        """Keeps the given tokens' embeddings and positions (and, first, the context) for attention maps of
+        later cached steps (`SinkhornModel._step_with_attentions`)."""
+        if self.recorded is None:
+            self.recorded = (embeds.detach(), positions, context, context_mask)
+        else:
+            old_embeds, old_positions, context, context_mask = self.recorded
+            self.recorded = (torch.cat([old_embeds, embeds.detach()], 1), torch.cat([old_positions, positions], 1),
+                             context, context_mask)  # fmt: skip
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -381,6 +396,9 @@ class SinkhornCache(Cache):
         if keep == total:
             return
         self.token_mask[:, keep:] = False
+        if self.recorded is not None:
+            embeds, positions, context, context_mask = self.recorded
+            self.recorded = (embeds[:, :keep], positions[:, :keep], context, context_mask)
         self.lengths.copy_(self.token_mask[:, :keep].sum(1))
         self.seen.fill_(keep)
         self._seen_host = keep

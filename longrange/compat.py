@@ -24,6 +24,9 @@ from packaging.version import Version
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import BaseModelOutputWithPast as _BaseModelOutputWithPast
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions as _CausalLMOutputWithCrossAttentions
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 # the name under which the installed transformers passes and returns caches (generate() results included)
 CACHE_NAME = "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
@@ -82,3 +85,17 @@ def check_assisted_decoding(generation_mode) -> None:
             "assisted and prompt-lookup decoding of longrange models need transformers >= 5.24, installed "
             f"{transformers.__version__}"
         )
+
+
+def use_own_cache(generation_config, model_kwargs, cache_class: str) -> None:
+    """`generate(cache_implementation=...)` asks transformers to build one of its key/value caches. These models
+    keep their own cache (static shapes, compileable, bounded: what "static" asks for), which generate() uses
+    instead: with no cache given, the option is dropped from this call's generation config, with a warning."""
+    chosen = generation_config.cache_implementation
+    if chosen is None or model_kwargs.get(CACHE_NAME) is not None or generation_config.use_cache is False:
+        return
+    logger.warning_once(
+        f"cache_implementation={chosen!r} is ignored: this model keeps its own {cache_class}, whose shapes are "
+        "static and which generate() compiles like a StaticCache"
+    )
+    generation_config.cache_implementation = None

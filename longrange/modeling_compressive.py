@@ -39,7 +39,7 @@ from .cache_compressive import (
     slot_index,
     write_slots,
 )
-from .compat import CACHE_NAME, cache_output, check_assisted_decoding
+from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import (
@@ -668,7 +668,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         # back to the host. A croppable cache also takes the last crop_margin tokens of longer calls one at a
         # time, so that a crop finds what it needs in the static buffers.
         stepped = 0
-        if not torch.is_grad_enabled() and not output_attentions:
+        if not torch.is_grad_enabled():
             stepped = seq_len if seq_len == 1 else min(seq_len, cache.crop_margin)
         head = seq_len - stepped
         layer_outputs, layer_attentions, reconstruction_losses = [], None, []
@@ -687,17 +687,27 @@ class CompressiveModel(CompressivePreTrainedModel):
                 self._to_static(cache, hidden_states)
             steps = [
                 self._decode_step(
-                    hidden_states[:, t : t + 1], valid[:, t], cache, output_hidden_states, attention_mask is None
+                    hidden_states[:, t : t + 1],
+                    valid[:, t],
+                    cache,
+                    output_hidden_states,
+                    output_attentions,
+                    tokens_real=attention_mask is None,
                 )
                 for t in range(head, seq_len)
             ]
-            step_outputs = torch.cat([out for out, _ in steps], dim=1)
+            step_outputs = torch.cat([out for out, _, _ in steps], dim=1)
             outputs = torch.cat([outputs, step_outputs], dim=1) if head else step_outputs
             if output_hidden_states:
-                step_layers = [torch.cat(layer, dim=1) for layer in zip(*(hidden for _, hidden in steps))]
+                step_layers = [torch.cat(layer, dim=1) for layer in zip(*(hidden for _, hidden, _ in steps))]
                 if head:
                     step_layers = [torch.cat(pair, dim=1) for pair in zip(layer_outputs, step_layers)]
                 layer_outputs = step_layers
+            if output_attentions:
+                step_maps = [torch.cat(layer, dim=2) for layer in zip(*(maps for _, _, maps in steps))]
+                if head:
+                    step_maps = [torch.cat(pair, dim=2) for pair in zip(layer_attentions, step_maps)]
+                layer_attentions = step_maps
         cache.seen_tokens += seq_len
 
         all_hidden = None
@@ -994,7 +1004,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             setattr(cache, name, None)
         cache._host_rows = cache._step_geometry = None
 
-    def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states, tokens_real=False):
+    def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states, output_attentions, tokens_real):
         """One token per row [batch, 1, hidden] through the static form. The token goes to its row's own slot;
         a row whose segment it completes evicts and compresses at once; every update is an in-place, fixed-shape
         write selected per row (no branch on values, no host read). `tokens_real`: the caller knows every token is
@@ -1040,7 +1050,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             group_slots = layout.c_ring + group_tokens % layout.ring
             sources = ((start // rate)[:, None] + entry_index) % layout.groups  # the evicted groups' slots
 
-        layer_outputs = []
+        layer_outputs, layer_attentions = [], []
         for layer, state in zip(self.layers, cache.layers):
             put_along(state.ring, 1, write[:, None], hidden_states)
             put_along(state.ring_real, 1, write[:, None], token_valid[:, None])
@@ -1051,10 +1061,12 @@ class CompressiveModel(CompressivePreTrainedModel):
                 memory_keys=state.ring_keys,
                 memory_values=state.ring_values,
                 attention_mask=mask,
-                need_weights=self.track_usage,
+                need_weights=self.track_usage or output_attentions,
                 write_index=write,
                 key_columns=columns,
             )
+            if output_attentions:
+                layer_attentions.append(self._static_slot_layout(weights, cache, layout))
             buffers = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
             if layout.grouped and host is not None:
                 if segments_complete:  # the evicted blocks compressed at once, as the compact form does
@@ -1103,7 +1115,26 @@ class CompressiveModel(CompressivePreTrainedModel):
             cache.rows_pending.copy_(torch.where(completes, 0, pending + token_valid))
             cache.rows_seen.add_(token_valid.long())
         cache._host_rows = None if host is None else [self._host_step(row) for row in host]
-        return hidden_states, layer_outputs if output_hidden_states else None
+        return hidden_states, layer_outputs if output_hidden_states else None, layer_attentions
+
+    def _static_slot_layout(self, weights: torch.Tensor, cache, layout) -> torch.Tensor:
+        """A decoding step's probabilities [batch, heads, 1, slots] over the static form's slots (compressed ring,
+        then token ring) -> the fixed slot layout of `_slot_layout`, from each slot's entry / token index: compressed
+        entry e at c_mem_len - (compressed - e), token t at c_mem_len + mem_len + t - (first token of the segment)."""
+        config = self.config
+        seen, start, compressed = cache.rows_seen[:, None], cache.rows_start[:, None], cache.rows_compressed[:, None]
+        device = seen.device
+        c_slots = torch.arange(layout.c_ring, device=device)
+        entry = c_slots + layout.c_ring * torch.div(compressed - 1 - c_slots, layout.c_ring, rounding_mode="floor")
+        token_slots = torch.arange(layout.ring, device=device)
+        held = token_slots + layout.ring * torch.div(seen - token_slots, layout.ring, rounding_mode="floor")
+        memory_end, size = config.c_mem_len + config.mem_len, config.c_mem_len + config.mem_len + config.segment_length
+        entry_column = config.c_mem_len - (compressed - entry)
+        token_column = memory_end + held - (seen - cache.rows_pending[:, None])
+        shown = torch.cat([(entry >= 0) & (entry_column >= 0), held >= start], dim=1)
+        columns = torch.where(shown, torch.cat([entry_column, token_column], dim=1), size)  # size: not held
+        out = weights.new_zeros(*weights.shape[:-1], size + 1)
+        return out.scatter_add_(-1, columns[:, None, None, :].expand_as(weights), weights)[..., :size]
 
     def _geometry(self, cache, layout, write):
         """[batch, slots] column of each slot in the relative table (capacity-1 minus the distance from the new
@@ -1333,6 +1364,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         and prompt-lookup decoding (and an assistant model's own generate) get a croppable one: it can take back
         as many tokens as one generate() call adds, at least 64 and two segments."""
         check_assisted_decoding(generation_mode)
+        use_own_cache(generation_config, model_kwargs, "CompressiveMemoryCache")
         if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
             margin = 0
             assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
@@ -1419,8 +1451,9 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         if next_sequence_length == 1 and not is_first_iteration and seen:
             attention_mask = None
         model_inputs = {"cache": cache, "attention_mask": attention_mask, "use_cache": use_cache}
-        if inputs_embeds is not None and seen == 0 and is_first_iteration:
-            model_inputs.update(input_ids=None, inputs_embeds=inputs_embeds)
+        if inputs_embeds is not None and is_first_iteration:  # the embeddings the cache has not seen
+            new = next_sequence_length if next_sequence_length is not None else inputs_embeds.shape[1] - seen
+            model_inputs.update(input_ids=None, inputs_embeds=inputs_embeds[:, inputs_embeds.shape[1] - new :])
         elif next_sequence_length is not None:
             model_inputs["input_ids"] = input_ids[:, -next_sequence_length:]
         else:

@@ -1,0 +1,121 @@
+"""generate() as transformers users call it, for both causal models: continuing from `inputs_embeds` or token ids
+with an earlier call's cache, assisted decoding with and without `output_attentions`, `cache_implementation`, and
+the dict outputs users collect (scores, attentions, hidden states) checked row by row against one forward over the
+whole generated sequence without a cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
+from longrange.compat import CACHE_NAME
+from tests.dispatch_utils import needs_current_assisted_decoding
+
+VOCAB, PROMPT, NEW = 40, 7, 6
+
+
+def compressive(seed=0):
+    torch.manual_seed(seed)
+    config = CompressiveConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        segment_length=4, mem_len=4, c_mem_len=3, compression_rate=2, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return CompressiveForCausalLM(config).eval()
+
+
+def sinkhorn(seed=0):
+    torch.manual_seed(seed)
+    config = SinkhornConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, bucket_size=4, causal=True,
+        max_position_embeddings=64, n_local_attn_heads=1, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return SinkhornForCausalLM(config).eval()
+
+
+MODELS = {"compressive": compressive, "sinkhorn": sinkhorn}
+GREEDY = dict(do_sample=False, max_new_tokens=NEW)
+
+
+def prompt(batch=2):
+    return torch.randint(1, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("embeds", [False, True], ids=["ids", "inputs_embeds"])
+def test_generation_continues_from_an_earlier_calls_cache(name, embeds):
+    model, ids = MODELS[name](), prompt()
+    whole = model.generate(ids, **GREEDY)[:, PROMPT:]
+    embed = model.get_input_embeddings()
+    inputs = dict(inputs_embeds=embed(ids)) if embeds else dict(input_ids=ids)
+    first = model.generate(**inputs, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
+    new = first.sequences[:, -3:]  # (generate returns only the new tokens when given embeddings)
+    more = dict(inputs_embeds=torch.cat([inputs["inputs_embeds"], embed(new)], 1)) if embeds else dict(
+        input_ids=torch.cat([ids, new], 1)
+    )
+    second = model.generate(**more, **{CACHE_NAME: getattr(first, CACHE_NAME)}, do_sample=False, max_new_tokens=3)
+    assert torch.equal(torch.cat([new, second[:, -3:]], 1), whole)
+
+
+@needs_current_assisted_decoding
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("output_attentions", [False, True])
+def test_assisted_decoding_gives_the_greedy_tokens(name, output_attentions):
+    # a draft model with other weights: most of its tokens are rejected, so the cache is cropped again and again
+    model, draft, ids = MODELS[name](0), MODELS[name](1), prompt(batch=1)
+    plain = model.generate(ids, **{**GREEDY, "max_new_tokens": 12})
+    out = model.generate(
+        ids, assistant_model=draft, output_attentions=output_attentions, return_dict_in_generate=True,
+        **{**GREEDY, "max_new_tokens": 12},
+    )  # fmt: skip
+    assert torch.equal(out.sequences, plain)
+    assert (out.attentions is not None) == output_attentions
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("implementation", ["static", "dynamic", "offloaded"])
+def test_cache_implementation_is_answered_with_the_models_own_cache(name, implementation, caplog):
+    model, ids = MODELS[name](), prompt()
+    plain = model.generate(ids, **GREEDY)
+    with caplog.at_level("WARNING"):
+        out = model.generate(ids, cache_implementation=implementation, **GREEDY)
+    assert torch.equal(out, plain)
+    assert model.generation_config.cache_implementation is None  # the user's config is left as it was
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_dict_outputs_match_one_forward_over_the_generated_sequence(name):
+    model, ids = MODELS[name](), prompt()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    out = model.generate(
+        ids, attention_mask=mask, output_scores=True, output_logits=True, output_attentions=True,
+        output_hidden_states=True, return_dict_in_generate=True, **GREEDY,
+    )  # fmt: skip
+    sequence = out.sequences[:, :-1]  # every token fed to the model
+    full_mask = torch.cat([mask, torch.ones(2, NEW - 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        full = model(sequence, attention_mask=full_mask, output_attentions=True, output_hidden_states=True)
+    real = full_mask.bool()
+    assert len(out.scores) == len(out.attentions) == len(out.hidden_states) == NEW
+    for step in range(NEW):
+        rows = slice(0, PROMPT) if step == 0 else slice(PROMPT + step - 1, PROMPT + step)
+        torch.testing.assert_close(out.logits[step], full.logits[:, rows][:, -1], atol=1e-5, rtol=1e-5)
+        for layer, (got, expected) in enumerate(zip(out.attentions[step], full.attentions)):
+            expected = expected[:, :, rows]
+            if name == "sinkhorn":  # [batch, heads, new tokens, tokens so far]
+                expected = expected[..., : rows.stop]
+            assert got.shape == expected.shape, (step, layer)
+            keep = real[:, rows][:, None, :, None]  # (padding queries attend to nothing meaningful)
+            torch.testing.assert_close(got * keep, expected * keep, atol=1e-5, rtol=1e-5)
+        for got, expected in zip(out.hidden_states[step], full.hidden_states):
+            keep = real[:, rows][..., None]
+            torch.testing.assert_close(got * keep, expected[:, rows] * keep, atol=1e-5, rtol=1e-5)
+
+
+def test_sinkhorn_step_attentions_need_the_prefill_to_ask_for_them():
+    model, ids = sinkhorn(), prompt()
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        with pytest.raises(ValueError, match="needs the forward that filled it to ask for output_attentions too"):
+            model(ids[:, :1], cache=cache, output_attentions=True)
