@@ -14,6 +14,11 @@ Every token but the first is scored exactly once, given all the context the mode
 
 The file is read as bytes (invalid UTF-8 is fine for byte-level tokenizers). Bits per byte = total NLL / ln 2 / bytes;
 bits per character is reported when the file is valid UTF-8.
+
+`--mem_len` / `--c_mem_len` (Compressive model) evaluate with another memory than the model was trained with
+(Transformer-XL's protocol: a longer memory at evaluation). They are applied to the saved config before the model is
+built (so everything sized from them, such as the attention's slot capacity, follows) and validated as any config
+is; no weight's shape depends on them, and a change that would alter one is refused (`check_same_parameters`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import longrange  # noqa: E402,F401  registers the longrange model types with the Auto classes
 from longrange.hub import check_model_source  # noqa: E402
@@ -74,27 +79,33 @@ def read_document(path: str | Path, tokenizer, max_tokens: int | None = None) ->
 
 
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[k, vocab] logits predicting [k] targets -> [k] losses in nats (float32)."""
-    return F.cross_entropy(logits.float(), targets, reduction="none")
+    """[..., k, vocab] logits predicting [..., k] targets -> [..., k] losses in nats (float32)."""
+    losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return losses.view(targets.shape)
 
 
 @torch.no_grad()
 def nll_with_cache(model, ids: torch.Tensor, chunk_length: int) -> Scores:
-    """Feed `ids` in chunks, carrying the model's cache; a chunk's last logits predict the next chunk's first token."""
+    """Feed `ids` in chunks, carrying the model's cache; a chunk's last logits predict the next chunk's first token.
+
+    ids: [n] (one document) or [rows, n] (several documents of the same length, each row with its own memory);
+    the scores are [n - 1] or [rows, n - 1] accordingly."""
     device = next(model.parameters()).device
-    losses, cache, previous = [], None, None  # previous: [vocab] logits of the last token fed so far
-    for start in range(0, len(ids), chunk_length):
-        chunk = ids[start : start + chunk_length].to(device)
-        out = model(input_ids=chunk[None], cache=cache, use_cache=True)
+    rows = ids if ids.ndim == 2 else ids[None]
+    losses, cache, previous = [], None, None  # previous: [rows, vocab] logits of the last token fed so far
+    for start in range(0, rows.shape[1], chunk_length):
+        chunk = rows[:, start : start + chunk_length].to(device)
+        out = model(input_ids=chunk, cache=cache, use_cache=True)
         cache = out.cache
-        logits = out.logits[0]  # [chunk, vocab]
+        logits = out.logits  # [rows, chunk, vocab]
         if previous is not None:
-            logits_for_chunk = torch.cat([previous[None], logits[:-1]])  # predicts chunk[0 .. end]
+            logits_for_chunk = torch.cat([previous[:, None], logits[:, :-1]], dim=1)  # predicts chunk[0 .. end]
             losses.append(_token_nll(logits_for_chunk, chunk))
         else:
-            losses.append(_token_nll(logits[:-1], chunk[1:]))
-        previous = logits[-1]
-    return Scores(torch.cat(losses).cpu())
+            losses.append(_token_nll(logits[:, :-1], chunk[:, 1:]))
+        previous = logits[:, -1]
+    nll = torch.cat(losses, dim=1).cpu()
+    return Scores(nll if ids.ndim == 2 else nll[0])
 
 
 def sliding_windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -136,6 +147,63 @@ def nll_sliding(
             predicting = logits[row, scored - 1 - begin : end - 1 - begin]
             nll[scored - 1 : end - 1] = _token_nll(predicting, ids[scored:end].to(device)).cpu()
     return Scores(nll, spans)
+
+
+MEMORY_FIELDS = ("mem_len", "c_mem_len")
+
+
+def with_memory(config, *, mem_len: int | None = None, c_mem_len: int | None = None, trust_remote_code: bool = False):
+    """`config` with the memory lengths given (None: keep the saved one); the same object when nothing is given.
+
+    The new config goes through the config class's own validation (`from_dict`), so a value the model does not
+    accept (c_mem_len=0, mem_len below compression_rate, ...) is refused with the config's message. Models without a
+    memory are refused, and so is any change that would alter the shape of a weight (`check_same_parameters`)."""
+    overrides = {name: value for name, value in zip(MEMORY_FIELDS, (mem_len, c_mem_len)) if value is not None}
+    if not overrides:
+        return config
+    if not all(hasattr(config, name) for name in MEMORY_FIELDS):
+        raise ValueError(
+            f"--mem_len / --c_mem_len apply to models with a memory (model_type 'compressive'); this "
+            f"{getattr(config, 'model_type', type(config).__name__)!r} model has none"
+        )
+    try:
+        new = type(config).from_dict({**config.to_dict(), **overrides})
+    except ValueError as err:
+        given = ", ".join(f"--{name} {value}" for name, value in overrides.items())
+        raise ValueError(f"{given}: the model's config refuses it: {err}") from err
+    check_same_parameters(config, new, trust_remote_code=trust_remote_code)
+    return new
+
+
+def parameter_shapes(config, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every entry of the state dict a model built from `config` has (built on the meta device:
+    no memory, no initialisation work)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def check_same_parameters(old, new, trust_remote_code: bool = False) -> None:
+    """Raise ValueError when a model built from `new` would not hold the weights of one built from `old` (a
+    parameter or buffer added, removed or of another shape): the saved weights could not apply."""
+    before, after = parameter_shapes(old, trust_remote_code), parameter_shapes(new, trust_remote_code)
+    changed = sorted(
+        f"{name} {before.get(name, 'absent')} -> {after.get(name, 'absent')}"
+        for name in before.keys() | after.keys()
+        if before.get(name) != after.get(name)
+    )
+    if changed:
+        raise ValueError(
+            f"this config change alters the model's weights ({'; '.join(changed[:5])}"
+            f"{'; ...' if len(changed) > 5 else ''}): the saved weights cannot be used with it"
+        )
+
+
+def load_model(name: str, *, mem_len: int | None = None, c_mem_len: int | None = None, trust_remote_code: bool = False):
+    """The saved model `name`, built from its config with the memory lengths given (see `with_memory`)."""
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    config = with_memory(config, mem_len=mem_len, c_mem_len=c_mem_len, trust_remote_code=trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(name, config=config, trust_remote_code=trust_remote_code)
 
 
 def default_method(config) -> str:
@@ -201,6 +269,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--trust_remote_code", action="store_true")
+    p.add_argument("--mem_len", type=int, default=None, help="Compressive: evaluate with this memory length")
+    p.add_argument("--c_mem_len", type=int, default=None, help="Compressive: evaluate with this compressed memory")
     return p.parse_args(argv)
 
 
@@ -208,7 +278,8 @@ def main(argv=None) -> tuple[dict, Scores]:
     args = parse_args(argv)
     check_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, mem_len=args.mem_len, c_mem_len=args.c_mem_len,
+                       trust_remote_code=args.trust_remote_code)  # fmt: skip
     model.to(args.device).eval()
     config = model.config
     doc = read_document(args.file, tokenizer, args.max_tokens)
@@ -250,6 +321,7 @@ def main(argv=None) -> tuple[dict, Scores]:
         "file": str(args.file),
         "method": method,
         **setting,
+        **{name: getattr(config, name) for name in MEMORY_FIELDS if hasattr(config, name)},
         **summarise(doc, scores, seconds),
     }
     print(format_table(result))

@@ -88,6 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="carry the Compressive memory from step to step (default: on when streaming a compressive model)",
     )
+    g.add_argument(
+        "--segments_alone",
+        action="store_true",
+        help="Compressive without any memory: every segment of a window is its own row (same tokens per step), from "
+        "an empty memory, in training and in validation (the no-memory baseline; implies --no-carry_cache)",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_steps", type=int, default=1200, help="optimizer steps")
     g.add_argument("--batch_size", type=int, default=8, help="rows per process and accumulation micro-step")
@@ -249,16 +255,29 @@ def main(argv=None) -> dict:
         args.window = 2 * config.segment_length if args.model == "compressive" else 4 * config.bucket_size
     check_window(args.window, config)
     streaming = args.model == "compressive" if args.streaming is None else args.streaming
+    if args.segments_alone:
+        if not carries_cache(config):
+            raise SystemExit("--segments_alone is for a model with memory (--model compressive)")
+        if args.carry_cache:
+            raise SystemExit("--segments_alone trains every segment from an empty memory: drop --carry_cache")
+        args.carry_cache = False
     carry = carries_cache(config) and streaming if args.carry_cache is None else args.carry_cache
     if carry and not (streaming and carries_cache(config)):
         raise SystemExit("--carry_cache needs --streaming and a model with memory (--model compressive)")
+    # validation carries the memory across windows, except for a model trained without memory
+    eval_carry = carries_cache(config) and not args.segments_alone
+
+    def as_rows(batch: torch.Tensor) -> torch.Tensor:
+        """--segments_alone: [rows, window] -> [rows * segments, segment_length] (each segment its own row)."""
+        return batch.reshape(-1, config.segment_length) if args.segments_alone else batch
+
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
     global_batch = args.batch_size * world * accumulation
     batcher_cls = StreamBatcher if streaming else RandomWindowBatcher
     extra = {} if streaming else {"seed": args.seed}
     batcher = batcher_cls(streams.ids["train"], args.window, global_batch, world, accumulation, **extra)
     eval_ids = streams.ids["validation"][: args.eval_tokens or None]
-    eval_batches = eval_windows(eval_ids, args.window, args.eval_batch_size)
+    eval_batches = [as_rows(b) for b in eval_windows(eval_ids, args.window, args.eval_batch_size)]
 
     model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
@@ -268,6 +287,7 @@ def main(argv=None) -> dict:
         f"window {args.window}, global batch {global_batch} = {world} process(es) x {accumulation} accumulation x "
         f"{args.batch_size} rows | {'streaming' if streaming else 'random windows'}"
         f"{', memory carried across steps' if carry else ''}"
+        f"{', every segment alone (no memory)' if args.segments_alone else ''}"
     )
     optimizer = build_optimizer(model, args)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
@@ -327,7 +347,7 @@ def main(argv=None) -> dict:
             caches = [None] * accumulation  # the lanes restart from their beginnings: old memories do not apply
         sums = torch.zeros(3, device=accelerator.device)  # loss, lm loss, reconstruction loss
         for micro in range(accumulation):
-            batch = batcher.batch(state.step, accelerator.process_index, micro).to(accelerator.device)
+            batch = as_rows(batcher.batch(state.step, accelerator.process_index, micro)).to(accelerator.device)
             with accelerator.accumulate(model):
                 if carry:
                     out = model(input_ids=batch, labels=batch, cache=caches[micro], use_cache=True)
@@ -369,7 +389,7 @@ def main(argv=None) -> dict:
             if main_process or fsdp:  # under FSDP every process takes part in the forward's parameter gathering
                 last_eval = evaluate_stream(
                     accelerator.unwrap_model(model, keep_torch_compile=False), eval_batches,
-                    carry_cache=carries_cache(config),
+                    carry_cache=eval_carry,
                     bytes_per_token=streams.bytes_per_token("validation"),
                     chars_per_token=streams.chars_per_token("validation"),
                 )  # fmt: skip
@@ -408,7 +428,7 @@ def main(argv=None) -> dict:
         tokenizer.save_pretrained(final)
         if not state.history["validation"] or state.history["validation"][-1]["step"] != state.step:
             last_eval = evaluate_stream(
-                unwrapped, eval_batches, carry_cache=carries_cache(config),
+                unwrapped, eval_batches, carry_cache=eval_carry,
                 bytes_per_token=streams.bytes_per_token("validation"),
                 chars_per_token=streams.chars_per_token("validation"),
             )  # fmt: skip
@@ -416,10 +436,10 @@ def main(argv=None) -> dict:
         metrics = dict(last_eval)
         test_ids = streams.ids["test"]
         if len(test_ids) >= args.window:
+            test_batches = eval_windows(test_ids[: args.eval_tokens or None], args.window, args.eval_batch_size)
             test = evaluate_stream(
-                unwrapped, eval_windows(test_ids[: args.eval_tokens or None], args.window, args.eval_batch_size),
-                carry_cache=carries_cache(config), bytes_per_token=streams.bytes_per_token("test"),
-                chars_per_token=streams.chars_per_token("test"),
+                unwrapped, [as_rows(b) for b in test_batches], carry_cache=eval_carry,
+                bytes_per_token=streams.bytes_per_token("test"), chars_per_token=streams.chars_per_token("test"),
             )  # fmt: skip
             metrics.update({f"test_{k}": v for k, v in test.items()})
         trained_tokens = (state.step - started_step) * tokens_per_step
