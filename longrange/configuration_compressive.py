@@ -7,7 +7,12 @@ and what is allowed, so the model itself can trust its config. The annotated see
 
 from __future__ import annotations
 
+import difflib
+
 from transformers import PreTrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 COMPRESSION_FUNCTIONS = ("conv1d", "max_pool", "mean_pool", "dilated_conv", "most_used")
 # compression functions with parameters: only these can be trained by a reconstruction loss
@@ -53,6 +58,11 @@ class CompressiveConfig(PreTrainedConfig):
         pkm_heads (`int`, defaults to 4): product-key memory heads.
         pkm_topk (`int`, optional): slots selected per head and token; at most `pkm_num_keys`. Default (None):
             `min(32, pkm_num_keys)`, resolved when the config is built (the resolved value is what is saved).
+
+    Saved configs (`from_dict`, used by `from_pretrained` and `AutoConfig`): a missing field takes its default above
+    (folders saved by this package hold every field); a key that is not a field is kept as an attribute (what a user
+    or a tool set before saving), with a warning when it looks like a typo of a field; a config of another
+    `model_type` is refused.
     """
 
     model_type = "compressive"
@@ -92,11 +102,25 @@ class CompressiveConfig(PreTrainedConfig):
     pkm_topk: int | None = None
 
     def __post_init__(self, **kwargs):
+        fields = [*self.__dataclass_fields__, *self.attribute_map]
+        _warn_near_misses(sorted(k for k in kwargs if k not in fields), fields, type(self).__name__)
         super().__post_init__(**kwargs)  # applies seed aliases passed as keyword arguments
         self.pkm_layers = list(self.pkm_layers)
         if self.pkm_topk is None and isinstance(self.pkm_num_keys, int):  # a bad pkm_num_keys is refused below
             self.pkm_topk = min(32, self.pkm_num_keys)
         self._validate()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """Rebuild a saved config; see "Saved configs" in the class docstring."""
+        found = config_dict.get("model_type") if isinstance(config_dict, dict) else None
+        if found is not None and found != cls.model_type:
+            raise ValueError(
+                f"{cls.__name__}: this config is for model_type {found!r}, not {cls.model_type!r}; load the folder "
+                "with the class of its own type (AutoModelForCausalLM / AutoConfig pick it from config.json's "
+                "model_type)"
+            )
+        return super().from_dict(config_dict, **kwargs)
 
     def _validate(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -172,6 +196,17 @@ class CompressiveConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be None or a token id >= 0, got {value!r}")
+
+
+def _warn_near_misses(unknown, options, owner: str) -> None:
+    """Warn for unknown keys that look like a typo of a field (kept as attributes; the field keeps its value)."""
+    for key in unknown:
+        close = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
+        if close:
+            logger.warning(
+                f"{owner}: {key!r} is not an option (did you mean {close[0]!r}?); it is kept as an attribute and "
+                f"{close[0]!r} keeps its value"
+            )
 
 
 __all__ = ["CompressiveConfig"]

@@ -6,9 +6,18 @@ canonical fields and the package's names (`num_tokens`, `dim`, `depth`, `heads`,
 
 from __future__ import annotations
 
+import contextvars
+import difflib
 import math
 
 from transformers import PreTrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# set while `from_dict` (config.json, from_pretrained, AutoConfig) rebuilds a saved config: its keys that are not
+# options are attributes a user or a tool set before saving, kept as they are; a constructor call refuses them
+_REBUILDING_SAVED = contextvars.ContextVar("sinkhorn_config_rebuilding_saved", default=False)
 
 # keys that PreTrainedConfig (or save_pretrained / from_pretrained / EncoderDecoderModel) may pass besides our fields
 _GENERIC_KEYS = {
@@ -160,6 +169,11 @@ class SinkhornConfig(PreTrainedConfig):
 
     Misc: layer_norm_eps, pad/bos/eos_token_id, use_cache (generation cache; causal models only, and by default not
     in training mode).
+
+    Unknown keywords: the constructor refuses them, naming them (typos). A saved config (`from_dict`, which
+    `from_pretrained` and `AutoConfig` use) keeps keys that are not options as attributes, since they were set on
+    the config before it was saved (with a warning when one looks like a typo of an option); a missing field takes
+    its default; a config of another `model_type` is refused.
     """
 
     model_type = "sinkhorn"
@@ -241,8 +255,9 @@ class SinkhornConfig(PreTrainedConfig):
             and k not in _GENERIC_KEYS
             and k not in self.keyword_aliases
         )
-        if unknown:
+        if unknown and not _REBUILDING_SAVED.get():
             raise ValueError(f"SinkhornConfig: unknown option(s) {unknown}")
+        _warn_near_misses(unknown, [*fields, *self.attribute_map], type(self).__name__)
         # the seed's `temperature`: a generation parameter name, which PreTrainedConfig would drop, and which as an
         # attribute would change sampling in generate(); stored as sort_temperature
         if "temperature" in kwargs:
@@ -252,6 +267,23 @@ class SinkhornConfig(PreTrainedConfig):
         if self.pkm_topk is None and isinstance(self.pkm_num_keys, int):  # a bad pkm_num_keys is refused below
             self.pkm_topk = min(32, self.pkm_num_keys)
         self.validate_sinkhorn()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """Rebuild a saved config (config.json, `from_pretrained`, `AutoConfig`).
+
+        Unlike a constructor call, which refuses an unknown keyword, keys that are not options are kept as
+        attributes: they are what a user or a tool set on a config before `save_pretrained` wrote it, and the folder
+        must load again (a key one or two letters away from an option is most likely a typo: a warning names the
+        option, which keeps its default). A missing field takes its default (the class attributes above): folders
+        saved by this package hold every field. A config of another model type is refused, naming both types.
+        """
+        _check_model_type(cls, config_dict)
+        token = _REBUILDING_SAVED.set(True)
+        try:
+            return super().from_dict(config_dict, **kwargs)
+        finally:
+            _REBUILDING_SAVED.reset(token)
 
     # derived sizes ---------------------------------------------------------------------------------------------
 
@@ -388,6 +420,27 @@ class SinkhornConfig(PreTrainedConfig):
             )
         if self.ff_chunks > 1 and self.ff_chunks > self.max_position_embeddings:
             raise ValueError("SinkhornConfig: ff_chunks must not exceed max_position_embeddings")
+
+
+def _check_model_type(cls, config_dict) -> None:
+    """Refuse a saved config of another model type (its fields would be read as ours, or left at our defaults)."""
+    found = config_dict.get("model_type") if isinstance(config_dict, dict) else None
+    if found is not None and found != cls.model_type:
+        raise ValueError(
+            f"{cls.__name__}: this config is for model_type {found!r}, not {cls.model_type!r}; load the folder with the "
+            f"class of its own type (AutoModelForCausalLM / AutoConfig pick it from config.json's model_type)"
+        )
+
+
+def _warn_near_misses(unknown, options, owner: str) -> None:
+    """Warn for unknown keys that look like a typo of an option (kept as attributes; the option keeps its value)."""
+    for key in unknown:
+        close = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
+        if close:
+            logger.warning(
+                f"{owner}: {key!r} is not an option (did you mean {close[0]!r}?); it is kept as an attribute and "
+                f"{close[0]!r} keeps its value"
+            )
 
 
 __all__ = ["SinkhornConfig"]
