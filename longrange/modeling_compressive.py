@@ -51,6 +51,7 @@ from .layers import (
     register_fsdp_methods,
     sinusoidal_embedding,
 )
+from .loading import checked_from_pretrained
 from .product_key_memory import ProductKeyMemory
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -586,6 +587,13 @@ class CompressivePreTrainedModel(PreTrainedModel):
     # decoding may verify and reject draft tokens (with "most_used" the cache is not croppable and transformers
     # refuses assisted decoding for that reason)
     _is_stateful = False
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' `from_pretrained`, checked (longrange/loading.py): an unreadable weights file, weights that
+        do not match config.json (missing, or with no place in the model) and non-finite weights raise, naming the
+        file or the weights, instead of giving a model with re-initialised or garbage weights."""
+        return checked_from_pretrained(super().from_pretrained, cls, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear, Conv1d, ConvTranspose1d, Embedding, LayerNorm
