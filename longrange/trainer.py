@@ -35,7 +35,6 @@ import glob
 import logging
 import os
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +72,9 @@ class LongrangeTrainer(Trainer):
 
     def __init__(self, *args, card: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._aux = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # per phase: name -> [running sum, count] since the last log (sums, not lists: with logging off, a list
+        # would keep two tensors per step for the whole run)
+        self._aux: dict[str, dict[str, list]] = {"train": {}, "eval": {}}
         self.card = dict(card or {})
 
     def run_model(self, model, inputs: dict, **loss_kwargs):
@@ -100,10 +101,10 @@ class LongrangeTrainer(Trainer):
             if normalised:  # back to the mean over this call's predicted tokens, for the log
                 predicted = inputs["labels"][..., 1:].ne(-100).sum()
                 lm_loss = lm_loss * num_items_in_batch / predicted.clamp_min(1)
-            self._aux[phase]["lm_loss"].append(lm_loss.detach().float())
+            self._add_aux(phase, "lm_loss", lm_loss)
         reconstruction = getattr(outputs, "reconstruction_loss", None)
         if reconstruction is not None:
-            self._aux[phase]["reconstruction_loss"].append(reconstruction.detach().float())
+            self._add_aux(phase, "reconstruction_loss", reconstruction)
         return (loss, {"logits": outputs.logits}) if return_outputs else loss
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
@@ -115,10 +116,18 @@ class LongrangeTrainer(Trainer):
             ]
         return super()._get_num_items_in_batch(batch_samples, device)
 
+    def _add_aux(self, phase: str, name: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        entry = self._aux[phase].get(name)
+        if entry is None:
+            self._aux[phase][name] = [value, 1]
+        else:
+            entry[0], entry[1] = entry[0] + value, entry[1] + 1
+
     def _aux_means(self, phase: str) -> dict[str, float]:
         means = {}
-        for name, values in self._aux[phase].items():
-            mean = torch.stack(values).mean()
+        for name, (total, count) in self._aux[phase].items():
+            mean = total / count
             means[name] = float(self.accelerator.reduce(mean, reduction="mean"))  # average over processes
         self._aux[phase].clear()
         return means
