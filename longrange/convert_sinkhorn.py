@@ -295,18 +295,25 @@ def convert_state_dict(checkpoint: Mapping, kwargs: Mapping) -> tuple[SinkhornCo
         feed_forward(ff_layers[0], "model.layers.0.feed_forward.")
         for i in sorted(pkm):
             feed_forward(i - 1, f"model.pkm_blocks.{i}.")
-        # the reference shares attention and feed-forward but gives every layer its own pre-norms: they must agree
-        shared = [(branches(i)[0], branches(0)[0]) for i in range(1, config.num_hidden_layers)]
-        shared += [(branches(i)[1], branches(ff_layers[0])[1]) for i in ff_layers[1:]]
-        for branch, first in shared:
-            for name in [k for k in src if k.startswith(branch)]:
+
+        # as ours, the reference shares attention and feed-forward but gives every layer its own pre-norms; its state
+        # dict repeats the shared weights under every layer (they must be the same tensors' values)
+        def tied(branch: str, first: str, ours: str) -> None:
+            for part in ("weight", "bias"):
+                out[f"{ours}norm.{part}"] = take(f"{branch}norm.{part}")
+            for name in [k for k in src if k.startswith(branch) and not k.startswith(f"{branch}norm.")]:
                 other = first + name[len(branch) :]
                 if other not in src or not torch.equal(src[name], src[other]):
                     raise ValueError(
-                        f"cannot convert: weight_tie=True with per-layer weights that differ ('{name}'); "
-                        "weight_tie here shares the layer norms as well"
+                        f"cannot convert: weight_tie=True but '{name}' differs from '{other}' (the reference shares "
+                        "these weights between layers: is the checkpoint from a weight_tie=True model?)"
                     )
                 used.add(name)
+
+        for i in range(1, config.num_hidden_layers):
+            tied(branches(i)[0], branches(0)[0], f"model.layers.{i}.attention.")
+        for i in ff_layers[1:]:
+            tied(branches(i)[1], branches(ff_layers[0])[1], f"model.layers.{i}.feed_forward.")
     unused = sorted(set(src) - used)
     if unused:
         raise ValueError(f"reference state dict has entries this conversion does not map: {unused[:8]}")

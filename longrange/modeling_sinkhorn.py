@@ -38,10 +38,11 @@ from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
 from .cache_sinkhorn import SinkhornCache
-from .compat import cache_output, check_assisted_decoding
+from .compat import cache_output, check_assisted_decoding, use_own_cache
 from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
 from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, real_tokens_first
+from .loading import checked_from_pretrained
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
 from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads, causal_pair
@@ -67,7 +68,7 @@ def _implementation(config: SinkhornConfig) -> str:
 
 def _unsupported_attention(impl) -> str:
     return (
-        f"Sinkhorn: attn_implementation={impl!r} is not supported; allowed values: "
+        f'Specified `attn_implementation="{impl}"` is not supported by Sinkhorn; allowed values: '
         f"{', '.join(repr(name) for name in ATTENTION_IMPLEMENTATIONS)} (bucketed attention runs through "
         "scaled_dot_product_attention or the explicit softmax; flash and flex attention are not available)"
     )
@@ -596,8 +597,24 @@ class SinkhornPreTrainedModel(PreTrainedModel):
             init.normal_(module.sort_net, mean=0.0, std=module.sort_net.shape[1] ** -0.5)
 
     @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' `from_pretrained`, checked (longrange/loading.py): an unreadable weights file, weights that
+        do not match config.json (missing, or with no place in the model) and non-finite weights raise, naming the
+        file or the weights, instead of giving a model with re-initialised or garbage weights."""
+        return checked_from_pretrained(super().from_pretrained, cls, *args, **kwargs)
+
+    @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
+
+    def tie_weights(self, *args, **kwargs):
+        # from_pretrained passes the keys its checkpoint lacked: weight_tie folders of the old layout lack the
+        # LayerNorms of layers >= 1, which start from layer 0's (SinkhornModel._fill_tied_norms)
+        super().tie_weights(*args, **kwargs)
+        missing = kwargs.get("missing_keys", args[0] if args else None)
+        base = self.base_model
+        if missing is not None and isinstance(base, SinkhornModel):
+            base._fill_tied_norms(missing, "" if base is self else f"{self.base_model_prefix}.")
 
     # attention implementation: transformers resolves `attn_implementation` (argument or config) through these;
     # the head groups take the result when they are built, and `set_attn_implementation` hands them a new one
@@ -656,9 +673,19 @@ class SinkhornModel(SinkhornPreTrainedModel):
         self.project_in = nn.Linear(emb, config.hidden_size) if emb != config.hidden_size else None
         pkm = set(config.pkm_layers)
         if config.weight_tie:
-            # one shared layer; product-key layers keep their own memory in place of the shared feed-forward
-            self.layers = nn.ModuleList([SinkhornLayer(config, use_pkm=False)])
+            # as in the reference: the layers share layer 0's attention and feed-forward weights (and cross-attention
+            # ones), each keeping its own LayerNorms (see _tie_layer); product-key layers keep their own memory
+            self.layers = nn.ModuleList([SinkhornLayer(config, use_pkm=False) for _ in range(config.num_hidden_layers)])
             self.pkm_blocks = nn.ModuleDict({str(i): FeedForwardBlock(config, use_pkm=True) for i in sorted(pkm)})
+            for depth in range(1, config.num_hidden_layers):
+                self._tie_layer(depth)
+            # per-layer FSDP units (`_no_split_modules`) would not gather the shared modules for the layers that
+            # call them but do not hold them: those modules are units of their own (with a product-key layer 1,
+            # layer 0's whole feed-forward block is shared)
+            shared = ["SinkhornSelfAttention", "FeedForward"]
+            shared += ["SinkhornCrossAttention"] if config.receives_context else []
+            shared += ["FeedForwardBlock"] if 1 in pkm else []
+            self._no_split_modules = [*self._no_split_modules, *shared]
         else:
             self.layers = nn.ModuleList(
                 [SinkhornLayer(config, use_pkm=i + 1 in pkm) for i in range(config.num_hidden_layers)]
@@ -676,10 +703,56 @@ class SinkhornModel(SinkhornPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    def _tie_layer(self, depth: int) -> None:
+        """weight_tie: layer `depth` (>= 1) keeps its LayerNorms and uses layer 0's attention and feed-forward
+        modules. These stay registered under layer 0 only (each shared weight has one name in the state dict); the
+        layer holds plain references. Layer 0's whole feed-forward block, norm included, serves the first layer
+        with a feed-forward when layer 0 itself is a product-key layer."""
+        first, layer = self.layers[0], self.layers[depth]
+        pkm = set(self.config.pkm_layers)
+        first_ff = min((d for d in range(self.config.num_hidden_layers) if d + 1 not in pkm), default=None)
+        shared = [(layer.attention, "attention", first.attention.attention)]
+        if depth + 1 in pkm or (depth == first_ff and 1 in pkm):
+            shared.append((layer, "feed_forward", first.feed_forward))  # (a product-key layer never calls it)
+        else:
+            shared.append((layer.feed_forward, "net", first.feed_forward.net))
+        if hasattr(first, "cross_attention"):
+            shared.append((layer.cross_attention, "attention", first.cross_attention.attention))
+            shared.append((layer.cross_feed_forward, "net", first.cross_feed_forward.net))
+        for parent, name, module in shared:
+            del parent._modules[name]
+            object.__setattr__(parent, name, module)  # an unregistered reference
+
+    def _tied_norm_sources(self) -> list[tuple[str, str]]:
+        """weight_tie: (name, layer 0's name) of every LayerNorm weight that layers >= 1 hold of their own."""
+        if not self.config.weight_tie:
+            return []
+        return [
+            (f"layers.{depth}.{name}", f"layers.0.{name}")
+            for depth in range(1, self.config.num_hidden_layers)
+            for name, _ in self.layers[depth].named_parameters()
+        ]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # weight_tie folders saved before the layers had LayerNorms of their own hold one shared set (layer 0's):
+        # every layer starts from it, which gives that model's outputs exactly
+        for name, source in self._tied_norm_sources():
+            if prefix + name not in state_dict and prefix + source in state_dict:
+                state_dict[prefix + name] = state_dict[prefix + source].clone()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _fill_tied_norms(self, missing_keys: set[str], prefix: str) -> None:
+        """The same for `from_pretrained` (called by `tie_weights` with the keys the checkpoint lacked)."""
+        with torch.no_grad():
+            for name, source in self._tied_norm_sources():
+                if prefix + name in missing_keys and prefix + source not in missing_keys:
+                    self.get_parameter(name).copy_(self.get_parameter(source))
+                    missing_keys.discard(prefix + name)
+
     def _layer_at(self, depth: int) -> tuple[SinkhornLayer, nn.Module | None]:
-        if self.config.weight_tie:
-            key = str(depth + 1)
-            return self.layers[0], (self.pkm_blocks[key] if key in self.pkm_blocks else None)
+        key = str(depth + 1)
+        if self.pkm_blocks is not None and key in self.pkm_blocks:
+            return self.layers[depth], self.pkm_blocks[key]
         return self.layers[depth], None
 
     def _stack_blocks(self) -> list[tuple[nn.Module, nn.Module]]:
@@ -702,10 +775,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
         past_key_values: Cache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> SinkhornModelOutput:
         config = self.config
-        output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = getattr(config, "output_attentions", False)
         if output_attentions and self.training and config.layer_dropout > 0:
@@ -744,11 +817,6 @@ class SinkhornModel(SinkhornPreTrainedModel):
             cache = None
 
         stepping = cache is not None and cache.prefilled
-        if output_attentions and stepping:
-            raise ValueError(
-                "SinkhornModel: output_attentions is not available for tokens fed on top of a filled cache (cached "
-                "decoding steps); the forward that fills the cache, or a forward over the whole sequence, returns them"
-            )
         # tokens given before (host count; unknown after compiled steps, which check nothing here)
         past = (cache._seen_host if stepping else 0) if not torch.compiler.is_compiling() else None
         if past is not None and past + length > config.max_position_embeddings:
@@ -760,6 +828,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
             so_far = past + length if past is not None else getattr(attention_mask, "shape", (0, length))[-1]
             attention_mask = check_mask(attention_mask, batch, (length, so_far) if stepping else (length,), length)
 
+        if output_attentions and stepping:  # the slow explicit path, only when asked
+            return self._step_with_attentions(
+                input_ids, inputs_embeds, attention_mask, position_ids, cache, output_hidden_states
+            )
         # several new tokens on top of a filled cache: feed them one at a time (exact, generation-only path)
         if stepping and length > 1:
             outputs = []
@@ -787,6 +859,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
             position_ids = (before + mask.long().cumsum(1) - 1).clamp_min(0)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if output_attentions and cache is not None:  # what later cached steps need for their attention maps
+            cache.record_inputs(inputs_embeds, position_ids, encoder_hidden_states, encoder_attention_mask)
         hidden = inputs_embeds + self.embed_positions(position_ids.clamp_max(config.max_position_embeddings - 1))
         hidden = self.emb_dropout(hidden)
         if self.project_in is not None:
@@ -903,6 +977,45 @@ class SinkhornModel(SinkhornPreTrainedModel):
             routing=routing,
         )
 
+    def _step_with_attentions(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, hidden_states):
+        """Tokens on top of a filled cache with output_attentions: the cached step gives the outputs, and the new
+        tokens' attention rows [batch, heads, new, all tokens so far] come from a forward over every token given so
+        far without the cache (the cache records their embeddings and positions while maps are asked for; cached
+        and uncached forwards give the same numbers). Slow, and only when asked."""
+        if cache.recorded is None:
+            raise ValueError(
+                "SinkhornModel: output_attentions on tokens fed on top of a filled cache needs the forward that "
+                "filled it to ask for output_attentions too"
+            )
+        embeds = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        new = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        mask = attention_mask if attention_mask is not None else new
+        if position_ids is None:  # as the step computes them
+            position_ids = (cache.lengths[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
+        past = cache.recorded[0].shape[1]
+        full_mask = torch.cat([cache.token_mask[:, :past], mask], dim=1)
+        cache.record_inputs(embeds, position_ids)
+        all_embeds, all_positions, context, context_mask = cache.recorded
+        full = self.forward(
+            inputs_embeds=all_embeds, attention_mask=full_mask, position_ids=all_positions,
+            encoder_hidden_states=context, encoder_attention_mask=context_mask, use_cache=False,
+            output_attentions=True,
+        )  # fmt: skip
+        step = self.forward(
+            inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            use_cache=True, output_hidden_states=hidden_states, output_attentions=False,
+        )  # fmt: skip
+        length = embeds.shape[1]
+        return SinkhornModelOutput(
+            last_hidden_state=step.last_hidden_state,
+            cache=cache,
+            hidden_states=step.hidden_states,
+            attentions=tuple(a[:, :, -length:] for a in full.attentions),
+            cross_attentions=None
+            if full.cross_attentions is None
+            else tuple(a[:, :, -length:] for a in full.cross_attentions),
+        )
+
     def _pad_context(self, context: torch.Tensor, context_mask: torch.Tensor | None):
         b, lc, _ = context.shape
         if context_mask is not None:
@@ -959,6 +1072,7 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ) -> None:
         check_assisted_decoding(generation_mode)
+        use_own_cache(generation_config, model_kwargs, "SinkhornCache")
         given = model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None
         if given or generation_config.use_cache is False or generation_config.cache_implementation is not None:
             return super()._prepare_cache_for_generation(
@@ -1002,6 +1116,7 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         logits_to_keep: int = 0,
         **kwargs,
     ) -> SinkhornCausalLMOutput:
@@ -1025,7 +1140,7 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
-            output_attentions=kwargs.pop("output_attentions", None),
+            output_attentions=output_attentions,
             return_dict=True,
         )
         hidden = outputs.last_hidden_state
@@ -1060,6 +1175,7 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
         encoder_attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> SinkhornMaskedLMOutput:
         outputs = self.model(
@@ -1071,7 +1187,7 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
             encoder_attention_mask=encoder_attention_mask,
             use_cache=False,
             output_hidden_states=output_hidden_states,
-            output_attentions=kwargs.pop("output_attentions", None),
+            output_attentions=output_attentions,
             return_dict=True,
         )
         logits = self._logits(outputs.last_hidden_state)

@@ -1,6 +1,11 @@
-"""Checkpoint conversion from sinkhorn-transformer 0.11.4: converted random reference models give the reference's
-logits (eval mode, unpadded inputs), every reference option we reproduce is needed for that, and the reference's
-known defects show up exactly where expected."""
+"""Checkpoint conversion from sinkhorn-transformer 0.11.4: converted reference models give the reference's logits
+(eval mode, unpadded inputs), every reference option we reproduce is needed for that, and the reference's known
+defects show up exactly where expected.
+
+The reference models are trained for a few Adam steps at a high learning rate before conversion, so that every
+parameter has moved from its initial value: freshly initialised models hide mappings that only matter for trained
+weights (e.g. all LayerNorms equal, so a shared norm passes for per-layer ones).
+"""
 
 import importlib.util
 import json
@@ -20,10 +25,27 @@ ATOL = 1e-5
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "convert_checkpoint.py"
 
 
-def reference(seed=0, keys_as_values=False, **overrides):
+def train_a_little(model, steps=3, lr=0.05, seed=0):
+    """A few Adam steps (next-token loss on random ids) at a learning rate high enough to move every parameter."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        ids = torch.randint(0, BASE["num_tokens"], (2, BASE["max_seq_len"]), generator=generator)
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def reference(seed=0, keys_as_values=False, train=True, **overrides):
     torch.manual_seed(seed)
     kwargs = {**BASE, **overrides}
     model = sinkhorn_transformer.SinkhornTransformerLM(**kwargs).eval()
+    if train:
+        train_a_little(model, seed=seed)
     if keys_as_values:
         # value projection := key projection, so the reference's keys-for-values gather (its defect 1) is invisible
         with torch.no_grad():
@@ -51,6 +73,7 @@ EXACT = {
     ),
     "SortCut, local heads, PKM": dict(n_sortcut=1, n_local_attn_heads=2, pkm_layers=(1,), pkm_num_keys=32),
     "SortCut, reversible, weight_tie, emb_dim": dict(n_sortcut=2, reversible=True, weight_tie=True, emb_dim=16),
+    "causal, weight_tie, PKM in layer 1": dict(causal=True, weight_tie=True, pkm_layers=(1,), pkm_num_keys=32, depth=3),
     "non-causal, all local": dict(n_local_attn_heads=4),
     "non-causal top 2 (keys = values)": dict(keys_as_values=True),
     "simple sort net, top 1 (keys = values)": dict(keys_as_values=True, use_simple_sort_net=True, n_top_buckets=1),
@@ -175,13 +198,45 @@ def test_unmappable_options_are_refused_by_name(overrides, option):
         config_from_reference({**BASE, **overrides})
 
 
-def test_weight_tie_with_differing_layer_norms_is_refused():
-    ref, kwargs = reference(causal=True, weight_tie=True)
+def _norm_key(layer: int, branch: int, reversible: bool) -> str:
+    stack = "sinkhorn_transformer.layers."
+    if reversible:
+        return f"{stack}blocks.{layer}.{'fg'[branch]}.net.norm.weight"
+    return f"{stack}layers.{layer}.{branch}.norm.weight"
+
+
+@pytest.mark.parametrize("reversible", [False, True], ids=["residual", "reversible"])
+def test_weight_tie_with_trained_per_layer_layer_norms_converts_exactly(reversible):
+    # the reference's weight_tie shares attention and feed-forward, not the pre-norms: training moves them apart
+    ref, kwargs = reference(causal=True, weight_tie=True, reversible=reversible, depth=3)
     state = ref.state_dict()
-    key = next(k for k in state if ".layers.1.0.norm.weight" in k)
-    state[key] = state[key] + 0.5
-    with pytest.raises(ValueError, match="weight_tie"):
+    for branch in (0, 1):
+        first = state[_norm_key(0, branch, reversible)]
+        assert all(not torch.equal(first, state[_norm_key(i, branch, reversible)]) for i in (1, 2))
+    model = convert(state, kwargs)
+    assert max_diff(ref, model) < ATOL
+    layers = model.model.layers
+    assert layers[2].attention.attention is layers[0].attention.attention
+    assert layers[2].feed_forward.net is layers[0].feed_forward.net
+    assert torch.equal(layers[2].attention.norm.weight, state[_norm_key(2, 0, reversible)])
+    # one name per shared weight: the saved state dict holds the attention weights once
+    assert not any(k.startswith("model.layers.1.attention.attention.") for k in model.state_dict())
+
+
+def test_weight_tie_checkpoint_with_untied_weights_is_refused():
+    ref, kwargs = reference(causal=True, weight_tie=True)
+    state = dict(ref.state_dict())
+    key = "sinkhorn_transformer.layers.layers.1.0.fn.to_q.weight"
+    state[key] = state[key] + 0.5  # a layer whose attention is not layer 0's: not what weight_tie=True builds
+    with pytest.raises(ValueError, match="weight_tie=True but .*layers.1.0.fn.to_q.weight"):
         convert_state_dict(state, kwargs)
+
+
+def test_reference_models_are_trained_so_every_parameter_moved():
+    fresh, _ = reference(train=False, causal=True, weight_tie=True, pkm_layers=(2,), pkm_num_keys=32, depth=3)
+    trained, _ = reference(causal=True, weight_tie=True, pkm_layers=(2,), pkm_num_keys=32, depth=3)
+    before, after = fresh.state_dict(), trained.state_dict()
+    assert [k for k in before if torch.equal(before[k], after[k])] == []
 
 
 def test_cli_writes_a_folder_that_auto_loads_with_the_reference_logits(tmp_path, capsys):

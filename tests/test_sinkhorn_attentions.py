@@ -186,20 +186,23 @@ def test_routing_matrix_counts_each_chosen_bucket():
     assert routing.offsets.tolist() == [0, 0, 1, 1]  # ordinary heads, then the shifted ones
 
 
-def test_cache_filling_forward_returns_the_weights_and_cached_steps_refuse():
+def test_cache_filling_forward_returns_the_weights_and_cached_steps_return_their_rows():
     model = build("causal", "sdpa")
     ids, mask = inputs(True)
     plain = model(ids, attention_mask=mask, output_attentions=True, use_cache=False)
     filled = model(ids, attention_mask=mask, output_attentions=True, use_cache=True)
     for a, b in zip(plain.attentions, filled.attentions):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a cached step's maps: its own row over every token so far, as a forward over the whole sequence gives it
     step = torch.tensor([[3], [4]])
-    with pytest.raises(ValueError, match="output_attentions is not available for tokens fed on top of a filled cache"):
-        model(step, cache=filled.cache, output_attentions=True)
-    with pytest.raises(ValueError, match="output_attentions"):
-        model.generate(
-            ids[:1, :8], max_new_tokens=3, do_sample=False, output_attentions=True, return_dict_in_generate=True
-        )
+    stepped = model(step, cache=filled.cache, output_attentions=True)
+    whole = model(
+        torch.cat([ids, step], 1), attention_mask=torch.cat([mask, torch.ones_like(step)], 1).bool(),
+        output_attentions=True, use_cache=False,
+    )  # fmt: skip
+    for a, b in zip(stepped.attentions, whole.attentions):
+        assert a.shape == (2, HEADS, 1, ids.shape[1] + 1)
+        torch.testing.assert_close(a, b[:, :, -1:], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("causal", [True, False])

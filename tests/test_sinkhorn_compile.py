@@ -256,7 +256,7 @@ def test_attn_implementation_from_config_from_pretrained_and_set_attn_implementa
 
 @pytest.mark.parametrize("value", ["flex_attention", "flash_attention_2", "paged|eager", "fast"])
 def test_unsupported_attn_implementation_names_the_allowed_values(value):
-    message = rf"attn_implementation='{value}'.*allowed values: 'sdpa', 'eager'"
+    message = rf"attn_implementation=\"{value}\".*allowed values: 'sdpa', 'eager'"
     with pytest.raises(ValueError, match=message.replace("|", r"\|")):
         SinkhornForCausalLM(SinkhornConfig(**TINY, causal=True, attn_implementation=value))
     model = build("causal")
