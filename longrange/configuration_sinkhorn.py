@@ -111,7 +111,10 @@ class SinkhornConfig(PreTrainedConfig):
     Memory savers
         reversible: reversible residual layers (Reformer); activations recomputed in backward.
         ff_chunks: the feed-forward runs over this many chunks of the sequence (1 = unchunked).
-        weight_tie: one set of layer weights shared by all layers (ALBERT); product-key layers keep their own memory.
+        weight_tie: the layers share one set of attention and feed-forward weights (ALBERT), each keeping its own
+            LayerNorms, as sinkhorn-transformer's `weight_tie` does; product-key layers keep their own memory. Folders
+            saved while the LayerNorms were shared as well load with every layer starting from those shared norms
+            (the same outputs).
         layer_dropout: probability of skipping a whole layer in training ("Reducing Transformer Depth on Demand").
         pkm_layers: 1-based layer numbers whose feed-forward is replaced by a product-key memory.
         pkm_num_keys, pkm_topk, pkm_heads: product-key memory size (`pkm_num_keys ** 2` slots), slots read per
@@ -360,6 +363,12 @@ class SinkhornConfig(PreTrainedConfig):
             raise ValueError(
                 f"SinkhornConfig: n_local_attn_heads ({self.n_local_attn_heads}) must not exceed "
                 f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.n_sortcut > 0 and not self.non_permutative:
+            raise ValueError(
+                "SinkhornConfig: n_sortcut > 0 needs non_permutative=True: SortCut scores the key buckets against "
+                "one summary of all queries, and Sinkhorn balancing of that single row gives every bucket the same "
+                "weight, so the sort net would choose nothing"
             )
         if self.causal and self.n_sortcut > 0:
             raise ValueError(

@@ -78,7 +78,8 @@ def select_buckets(
         for _ in range(sinkhorn_iter):
             log_weights = (log_weights - log_weights.logsumexp(-1, keepdim=True)).masked_fill(~valid, _NEG)
             log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, _NEG)
-        idx = log_weights.topk(n_select, dim=-1).indices
+        # (ties to the lowest index, as above: balancing can tie candidates exactly, e.g. two of equal column mass)
+        idx = log_weights.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
     picked_valid = valid.gather(-1, idx)
     if sequential:
         picked = _sequential_log_weights(logits / temperature, idx)
@@ -328,6 +329,8 @@ class SinkhornHeads(nn.Module):
                 sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
                 scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, nq, nk]
             valid = k_valid
+            if self.sinkhorn_iter is not None:  # balancing: query buckets of padding alone take no part
+                valid = valid & (q_counts > 0)[:, None, :, None]
             exclude_own = self.include_own and not self.route_own_bucket
             if exclude_own:
                 valid = valid & (own[:, None] != torch.arange(nk, device=q.device))[None, None]

@@ -82,7 +82,8 @@ def sinkhorn_options(draw, causal: bool | None = None, training: bool = False) -
         bucket_size=draw(st.integers(1, 8)),
         causal=causal,
         n_top_buckets=draw(st.integers(1, 3)),
-        n_sortcut=0 if causal else draw(st.integers(0, 3)),  # SortCut is refused with causal=True
+        # SortCut is refused with causal=True, and with Gumbel-Sinkhorn balancing (non_permutative=False)
+        n_sortcut=0 if causal or not non_permutative else draw(st.integers(0, 3)),
         use_simple_sort_net=simple,
         simple_sort_net_scores=draw(st.sampled_from(["log_relu", "relu"])) if simple else "log_relu",
         sinkhorn_iter=draw(st.integers(1, 5)),
@@ -265,21 +266,17 @@ def test_padding_and_batch_mates_never_change_a_row(options, lengths, layout, gr
     """A batch of rows of different lengths, padded with random token ids (left, right, on both sides, or in
     scattered slots: SinkhornModel documents any padding, its real tokens moved to the front): each row's logits at
     its real tokens equal those of the row run alone, unpadded, with no attention mask."""
-    model = build(options, seed)
+    # float64: a row alone and the same row in a batch run matrix products of other shapes, whose float32
+    # rounding can flip a near-tie of a hard choice (routing, product keys, most-used slots); the property is
+    # about what the model computes, so it is checked where rounding cannot decide a choice
+    model = build(options, seed).double()
     vocab = options["vocab_size"]
     generator = torch.Generator().manual_seed(seed)
     rows = [random_ids(generator, vocab, (n,)) for n in lengths]
     ids, mask, where = pad_rows(rows, layout, vocab, generator)
     with torch.set_grad_enabled(grad):
         batched = logits_of(model, ids, mask).detach()
-    bucket = options["bucket_size"]
     for i, row in enumerate(rows):
-        if not options["non_permutative"] and -(-ids.shape[1] // bucket) != -(-len(row) // bucket):
-            # KNOWN DEFECT (reported): Gumbel-Sinkhorn balancing (non_permutative=False) normalises the columns
-            # over every query bucket, the fully padded ones included, and with SortCut balances a one-row matrix
-            # (every candidate ties at weight 1; the pick is topk's tie order over the padded bucket count); so a
-            # row whose padded batch has more buckets than the row alone changes. Only those rows are skipped.
-            continue
         with torch.set_grad_enabled(grad):
             alone = logits_of(model, row[None]).detach()[0]
         torch.testing.assert_close(

@@ -251,7 +251,11 @@ def test_memory_saver_options_shape_the_model_as_documented():
 
     plain = SinkhornModel(SinkhornConfig(**{**TINY, "num_hidden_layers": 3}))
     tied = SinkhornModel(SinkhornConfig(**{**TINY, "num_hidden_layers": 3}, weight_tie=True))
-    assert len(tied.layers) == 1 and count(tied) < count(plain)
+    # weight_tie: shared attention and feed-forward weights, every layer its own LayerNorms (as the reference)
+    assert len(tied.layers) == 3 and count(tied) < count(plain)
+    assert tied.layers[2].attention.attention is tied.layers[0].attention.attention
+    assert tied.layers[2].feed_forward.net is tied.layers[0].feed_forward.net
+    assert tied.layers[2].attention.norm is not tied.layers[0].attention.norm
     factorised = SinkhornModel(SinkhornConfig(**TINY, emb_dim=8))
     assert factorised.embed_tokens.weight.shape == (40, 8) and factorised.project_in.in_features == 8
     wide_heads = SinkhornModel(SinkhornConfig(**TINY, dim_head=10))
@@ -292,3 +296,28 @@ def test_sort_net_receives_gradient_through_the_straight_through_routing_weight(
     model(ids, labels=ids).loss.backward()
     sort_net = model.model.layers[0].attention.attention.groups[0].sort_net
     assert sort_net.grad is not None and sort_net.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bucket, simple", [(1, False), (4, False), (4, True)])
+def test_gumbel_sinkhorn_balancing_ignores_query_buckets_of_padding(bucket, simple):
+    # found by the property tests: the column step of the balancing normalised over fully padded query buckets too
+    torch.manual_seed(0)
+    config = SinkhornConfig(
+        vocab_size=5, hidden_size=16, num_hidden_layers=1, num_attention_heads=1, bucket_size=bucket, causal=False,
+        n_top_buckets=1, non_permutative=False, sinkhorn_iter=1, sort_temperature=0.5, weight_routed_values=False,
+        axial_position_embeddings=False, max_position_embeddings=40, use_simple_sort_net=simple,
+    )  # fmt: skip
+    model = SinkhornForMaskedLM(config).eval()
+    short, long = torch.randint(0, 5, (1, 3 * bucket)), torch.randint(0, 5, (1, 5 * bucket + 1))
+    ids = torch.cat([torch.zeros(1, long.shape[1] - short.shape[1], dtype=torch.long), short], 1)
+    mask = torch.cat([torch.zeros(1, long.shape[1] - short.shape[1]), torch.ones(1, short.shape[1])], 1).long()
+    with torch.no_grad():
+        batched = model(torch.cat([ids, long]), attention_mask=torch.cat([mask, torch.ones_like(long)])).logits
+        alone = model(short).logits
+    torch.testing.assert_close(batched[0, -short.shape[1] :], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_sortcut_with_sinkhorn_balancing_is_refused():
+    # balancing SortCut's single summary row gives every key bucket weight 1: the sort net would choose nothing
+    with pytest.raises(ValueError, match="n_sortcut > 0 needs non_permutative=True"):
+        SinkhornConfig(**TINY, causal=False, n_sortcut=2, non_permutative=False)

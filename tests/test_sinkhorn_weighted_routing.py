@@ -75,13 +75,15 @@ def naive_non_causal_weighted(q, k, v, mask, size, n_top, temperature, sinkhorn_
         sq = torch.stack([q[head, p].mean(0) if p else torch.zeros(d, dtype=q.dtype) for p in buckets])
         sk = torch.stack([k[head, p].mean(0) if p else torch.zeros(d, dtype=q.dtype) for p in buckets])
         scores = sq @ sk.T / math.sqrt(d)  # [n, n]
-        allowed = torch.tensor([[j != u and bool(buckets[j]) for j in range(n)] for u in range(n)])
+        # a query bucket of padding alone takes no part in the balancing (its row stays zero)
+        allowed = torch.tensor([[j != u and bool(buckets[j]) and bool(buckets[u]) for j in range(n)] for u in range(n)])
         weights = torch.exp(scores / temperature) * allowed
         if sinkhorn_iter is None:
             weights = weights / weights.sum(1, keepdim=True)
         else:
             for _ in range(sinkhorn_iter):
-                weights = weights / weights.sum(1, keepdim=True)
+                rows = weights.sum(1, keepdim=True)
+                weights = weights / torch.where(rows > 0, rows, torch.ones_like(rows))
                 columns = weights.sum(0, keepdim=True)
                 weights = weights / torch.where(columns > 0, columns, torch.ones_like(columns))
         for u in range(n):
