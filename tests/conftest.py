@@ -31,7 +31,14 @@ os.environ.update(GUARD.child_env())  # subprocesses started by tests inherit th
 _seen = {"checked": 0, "reported": set()}
 
 
+# markers transformers' common model tests (tests/models) put on some tests; its own conftest.py registers them
+TRANSFORMERS_MARKERS = ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test",
+                        "is_training_test", "torch_compile_test", "torch_export_test", "generate")  # fmt: skip
+
+
 def pytest_configure(config):
+    for marker in TRANSFORMERS_MARKERS:
+        config.addinivalue_line("markers", f"{marker}: a marker of transformers' common model tests")
     import longrange
 
     where = Path(longrange.__file__).resolve()

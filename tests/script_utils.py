@@ -12,8 +12,9 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 def load_script(name: str):
     """`scripts/<name>.py` as a fresh module, registered in sys.modules (dataclasses resolve a module's annotations
     through it)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    # (under a prefixed name: scripts/evaluate.py registered as `evaluate` would replace the evaluate library)
+    spec = importlib.util.spec_from_file_location(f"longrange_script_{name}", SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module

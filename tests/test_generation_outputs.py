@@ -50,8 +50,10 @@ def test_generation_continues_from_an_earlier_calls_cache(name, embeds):
     inputs = dict(inputs_embeds=embed(ids)) if embeds else dict(input_ids=ids)
     first = model.generate(**inputs, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
     new = first.sequences[:, -3:]  # (generate returns only the new tokens when given embeddings)
-    more = dict(inputs_embeds=torch.cat([inputs["inputs_embeds"], embed(new)], 1)) if embeds else dict(
-        input_ids=torch.cat([ids, new], 1)
+    more = (
+        dict(inputs_embeds=torch.cat([inputs["inputs_embeds"], embed(new)], 1))
+        if embeds
+        else dict(input_ids=torch.cat([ids, new], 1))
     )
     second = model.generate(**more, **{CACHE_NAME: getattr(first, CACHE_NAME)}, do_sample=False, max_new_tokens=3)
     assert torch.equal(torch.cat([new, second[:, -3:]], 1), whole)

@@ -70,8 +70,11 @@ BAD_INPUTS = {  # name -> (kwargs for the model, error type, words the message m
         ValueError,
         "inputs_embeds must be [batch, seq,",
     ),
-    "integer embeddings": (lambda m: dict(inputs_embeds=torch.zeros(2, 8, width(m), dtype=torch.long)), TypeError,
-                           "inputs_embeds"),  # fmt: skip
+    "integer embeddings": (
+        lambda m: dict(inputs_embeds=torch.zeros(2, 8, width(m), dtype=torch.long)),
+        TypeError,
+        "inputs_embeds",
+    ),  # fmt: skip
     "empty embeddings": (lambda m: dict(inputs_embeds=torch.zeros(2, 0, width(m))), ValueError, "inputs_embeds"),
     "mask holding 0.5": (
         lambda m: dict(input_ids=IDS, attention_mask=torch.full((2, 8), 0.5)),
@@ -88,28 +91,55 @@ BAD_INPUTS = {  # name -> (kwargs for the model, error type, words the message m
         ValueError,
         "attention_mask must hold only 0 and 1",
     ),
-    "mask of the wrong length": (lambda m: dict(input_ids=IDS, attention_mask=torch.ones(2, 5)), ValueError,
-                                 "attention_mask must be [batch=2, 8]"),  # fmt: skip
-    "mask of the wrong batch": (lambda m: dict(input_ids=IDS, attention_mask=torch.ones(3, 8)), ValueError,
-                                "attention_mask must be [batch=2,"),  # fmt: skip
-    "4-D mask": (lambda m: dict(input_ids=IDS, attention_mask=torch.ones(2, 1, 8, 8)), ValueError,
-                 "attention_mask must be [batch=2,"),  # fmt: skip
-    "complex mask": (lambda m: dict(input_ids=IDS, attention_mask=torch.ones(2, 8, dtype=torch.complex64)),
-                     TypeError, "attention_mask"),  # fmt: skip
+    "mask of the wrong length": (
+        lambda m: dict(input_ids=IDS, attention_mask=torch.ones(2, 5)),
+        ValueError,
+        "attention_mask must be [batch=2, 8]",
+    ),  # fmt: skip
+    "mask of the wrong batch": (
+        lambda m: dict(input_ids=IDS, attention_mask=torch.ones(3, 8)),
+        ValueError,
+        "attention_mask must be [batch=2,",
+    ),  # fmt: skip
+    "4-D mask": (
+        lambda m: dict(input_ids=IDS, attention_mask=torch.ones(2, 1, 8, 8)),
+        ValueError,
+        "attention_mask must be [batch=2,",
+    ),  # fmt: skip
+    "complex mask": (
+        lambda m: dict(input_ids=IDS, attention_mask=torch.ones(2, 8, dtype=torch.complex64)),
+        TypeError,
+        "attention_mask",
+    ),  # fmt: skip
     "mask as a list": (lambda m: dict(input_ids=IDS, attention_mask=[[1] * 8] * 2), TypeError, "attention_mask"),
-    "labels over the vocabulary": (lambda m: dict(input_ids=IDS, labels=IDS + VOCAB + 37), ValueError,
-                                   "labels must lie in [0, vocab_size=40) or be -100"),  # fmt: skip
-    "labels of -1": (lambda m: dict(input_ids=IDS, labels=torch.full_like(IDS, -1)), ValueError,
-                     "labels must lie in"),  # fmt: skip
-    "labels of the wrong shape": (lambda m: dict(input_ids=IDS, labels=IDS[:, :5]), ValueError,
-                                  "labels must have shape (2, 8)"),  # fmt: skip
+    "labels over the vocabulary": (
+        lambda m: dict(input_ids=IDS, labels=IDS + VOCAB + 37),
+        ValueError,
+        "labels must lie in [0, vocab_size=40) or be -100",
+    ),  # fmt: skip
+    "labels of -1": (
+        lambda m: dict(input_ids=IDS, labels=torch.full_like(IDS, -1)),
+        ValueError,
+        "labels must lie in",
+    ),  # fmt: skip
+    "labels of the wrong shape": (
+        lambda m: dict(input_ids=IDS, labels=IDS[:, :5]),
+        ValueError,
+        "labels must have shape (2, 8)",
+    ),  # fmt: skip
     "float labels": (lambda m: dict(input_ids=IDS, labels=IDS.float()), TypeError, "labels"),
 }
 CAUSAL_ONLY = {
-    "shift_labels over the vocabulary": (lambda m: dict(input_ids=IDS, shift_labels=IDS + VOCAB), ValueError,
-                                         "shift_labels must lie in"),  # fmt: skip
-    "shift_labels of the wrong shape": (lambda m: dict(input_ids=IDS, shift_labels=IDS[:1]), ValueError,
-                                        "shift_labels must have shape (2, 8)"),  # fmt: skip
+    "shift_labels over the vocabulary": (
+        lambda m: dict(input_ids=IDS, shift_labels=IDS + VOCAB),
+        ValueError,
+        "shift_labels must lie in",
+    ),  # fmt: skip
+    "shift_labels of the wrong shape": (
+        lambda m: dict(input_ids=IDS, shift_labels=IDS[:1]),
+        ValueError,
+        "shift_labels must have shape (2, 8)",
+    ),  # fmt: skip
 }
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import unittest
 
-from transformers_common import GenerationTesterMixin, list_in_auto_tables, load, without_checked_loading
-
 from longrange import CompressiveConfig, CompressiveForCausalLM, CompressiveModel
+from tests.models.transformers_common import GenerationTesterMixin, list_in_auto_tables, load, without_checked_loading
 
 test_configuration_common, test_modeling_common, test_training_mixin = load(
     "test_configuration_common", "test_modeling_common", "test_training_mixin"

@@ -1,15 +1,14 @@
 """transformers' common model tests (ModelTesterMixin, ConfigTester, TrainingTesterMixin, from the sdist of the
 installed transformers: `python scripts/fetch_transformers_tests.py`) for SinkhornModel, SinkhornForCausalLM
 (causal configs) and SinkhornForMaskedLM (non-causal configs). Every skip below names the documented design
-difference it follows, or the known defect it waits for."""
+difference it follows."""
 
 from __future__ import annotations
 
 import unittest
 
-from transformers_common import GenerationTesterMixin, list_in_auto_tables, load, without_checked_loading
-
 from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM, SinkhornModel
+from tests.models.transformers_common import GenerationTesterMixin, list_in_auto_tables, load, without_checked_loading
 
 test_configuration_common, test_modeling_common, test_training_mixin = load(
     "test_configuration_common", "test_modeling_common", "test_training_mixin"
@@ -88,19 +87,6 @@ class SinkhornModelTester:
         return config, {"input_ids": input_ids, "attention_mask": input_mask}
 
 
-# The known defects below are being fixed; remove a marker (one line each) when its fix is in.
-KNOWN_DEFECT_CONFIG_RELOAD = (
-    "KNOWN DEFECT: a saved SinkhornConfig that carries an extra attribute (save_pretrained writes every attribute "
-    "of the config) cannot be reloaded: SinkhornConfig refuses the unknown key, so from_pretrained fails before "
-    "eager and sdpa are compared (being fixed)"
-)
-KNOWN_DEFECT_ATTENTION_MESSAGE = (
-    "KNOWN DEFECT: set_attn_implementation('foo') raises ValueError without transformers' wording "
-    "'Specified `attn_implementation=\"foo\"` is not supported', which this test (and code that matches "
-    "transformers' message) looks for (being fixed)"
-)
-
-
 class _SinkhornTests(ModelTesterMixin, TrainingTesterMixin):
     causal = None
     model_tester = None  # set in setUp (TrainingTesterMixin declares it abstract)
@@ -139,16 +125,6 @@ class _SinkhornTests(ModelTesterMixin, TrainingTesterMixin):
     )
     def test_retain_grad_hidden_states_attentions(self):
         pass
-
-    @unittest.skip(KNOWN_DEFECT_ATTENTION_MESSAGE)
-    def test_can_set_attention_dynamically(self):
-        pass
-
-
-# every parameterization of test_eager_matches_sdpa_inference (generated names, _00_fp16_pad_left_... to _24_...)
-for _name in dir(ModelTesterMixin):
-    if _name.startswith("test_eager_matches_sdpa_inference_"):
-        setattr(_SinkhornTests, _name, unittest.skip(KNOWN_DEFECT_CONFIG_RELOAD)(lambda self: None))
 
 
 class SinkhornCausalModelTest(_SinkhornTests, GenerationTesterMixin, unittest.TestCase):
