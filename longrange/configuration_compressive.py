@@ -7,12 +7,9 @@ and what is allowed, so the model itself can trust its config. The annotated see
 
 from __future__ import annotations
 
-import difflib
-
 from transformers import PreTrainedConfig
-from transformers.utils import logging
 
-logger = logging.get_logger(__name__)
+from .configuration_checks import warn_near_misses
 
 COMPRESSION_FUNCTIONS = ("conv1d", "max_pool", "mean_pool", "dilated_conv", "most_used")
 # compression functions with parameters: only these can be trained by a reconstruction loss
@@ -103,7 +100,7 @@ class CompressiveConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         fields = [*self.__dataclass_fields__, *self.attribute_map]
-        _warn_near_misses(sorted(k for k in kwargs if k not in fields), fields, type(self).__name__)
+        warn_near_misses(sorted(k for k in kwargs if k not in fields), fields, type(self).__name__)
         super().__post_init__(**kwargs)  # applies seed aliases passed as keyword arguments
         self.pkm_layers = list(self.pkm_layers)
         if self.pkm_topk is None and isinstance(self.pkm_num_keys, int):  # a bad pkm_num_keys is refused below
@@ -196,17 +193,6 @@ class CompressiveConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be None or a token id >= 0, got {value!r}")
-
-
-def _warn_near_misses(unknown, options, owner: str) -> None:
-    """Warn for unknown keys that look like a typo of a field (kept as attributes; the field keeps its value)."""
-    for key in unknown:
-        close = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
-        if close:
-            logger.warning(
-                f"{owner}: {key!r} is not an option (did you mean {close[0]!r}?); it is kept as an attribute and "
-                f"{close[0]!r} keeps its value"
-            )
 
 
 __all__ = ["CompressiveConfig"]

@@ -7,13 +7,11 @@ canonical fields and the package's names (`num_tokens`, `dim`, `depth`, `heads`,
 from __future__ import annotations
 
 import contextvars
-import difflib
 import math
 
 from transformers import PreTrainedConfig
-from transformers.utils import logging
 
-logger = logging.get_logger(__name__)
+from .configuration_checks import warn_near_misses
 
 # set while `from_dict` (config.json, from_pretrained, AutoConfig) rebuilds a saved config: its keys that are not
 # options are attributes a user or a tool set before saving, kept as they are; a constructor call refuses them
@@ -260,7 +258,7 @@ class SinkhornConfig(PreTrainedConfig):
         )
         if unknown and not _REBUILDING_SAVED.get():
             raise ValueError(f"SinkhornConfig: unknown option(s) {unknown}")
-        _warn_near_misses(unknown, [*fields, *self.attribute_map], type(self).__name__)
+        warn_near_misses(unknown, [*fields, *self.attribute_map], type(self).__name__)
         # the seed's `temperature`: a generation parameter name, which PreTrainedConfig would drop, and which as an
         # attribute would change sampling in generate(); stored as sort_temperature
         if "temperature" in kwargs:
@@ -439,17 +437,6 @@ def _check_model_type(cls, config_dict) -> None:
             f"{cls.__name__}: this config is for model_type {found!r}, not {cls.model_type!r}; load the folder with the "
             f"class of its own type (AutoModelForCausalLM / AutoConfig pick it from config.json's model_type)"
         )
-
-
-def _warn_near_misses(unknown, options, owner: str) -> None:
-    """Warn for unknown keys that look like a typo of an option (kept as attributes; the option keeps its value)."""
-    for key in unknown:
-        close = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
-        if close:
-            logger.warning(
-                f"{owner}: {key!r} is not an option (did you mean {close[0]!r}?); it is kept as an attribute and "
-                f"{close[0]!r} keeps its value"
-            )
 
 
 __all__ = ["SinkhornConfig"]
