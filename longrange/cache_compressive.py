@@ -8,12 +8,12 @@ Only same-folder relative imports: `save_pretrained` copies this file next to th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 from transformers.cache_utils import Cache
 
-from .layers import put_along
+from .cache_compressive_static import DecodeStep, StaticLayout, to_compact, to_static
 
 
 class CompressiveMemoryLayer:
@@ -144,87 +144,97 @@ class CompressiveMemoryLayer:
             if value is not None:
                 setattr(self, name, fn(value))
 
+    # ------------------------------------------------------------------------------------------------------------
+    # The compact form's memory schedule: a chunk joins the unfinished segment; a complete segment joins the
+    # memory, whose oldest entries it pushes out; the layer compresses them and hands the entries back.
+    # ------------------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class StaticLayout:
-    """Sizes of the static (decoding) form of the cache, from the config.
+    def append_chunk(self, inputs: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Appends a chunk's layer inputs [batch, q, hidden] (and validity [batch, q]) to the unfinished segment
+        (the layer already wrote their keys/values into the buffers when it reuses projections). `weights`
+        [batch, heads, q, K] ("most_used"): accumulates the attention each held slot received from real tokens."""
+        if weights is not None:
+            received = (weights.detach().float() * valid[:, None, :, None]).sum(dim=(1, 2))  # [batch, K]
+            c_len, m_len, p_len = self.lengths()
+            self.mem_usage = self.mem_usage + received[:, c_len : c_len + m_len]
+            pending_usage = self.pending_usage + received[:, c_len + m_len : c_len + m_len + p_len]
+            self.pending_usage = torch.cat([pending_usage, received[:, c_len + m_len + p_len :]], dim=1)
+        self.pending = torch.cat([self.pending, inputs], dim=1)
+        self.pending_valid = torch.cat([self.pending_valid, valid], dim=1)
+        if self.keys is not None:
+            self.projected_len += inputs.shape[1]
 
-    Per row and layer, the attended buffers hold `c_ring` compressed slots then `ring` token slots. Tokens are
-    numbered per row, counting only tokens the row really has (padding never enters): token a lives in slot
-    c_ring + a % ring, compressed entry e (the e-th produced) in slot e % c_ring. A row's counters say which are
-    held: tokens [start, seen) (memory, then the `pending` tokens of its unfinished segment) and compressed
-    entries [compressed - c_mem_len, compressed). The relative distance of a query token q to token a is q - a, to
-    compressed entry e (q - start) + (compressed - e): exactly its distance in the compact layout
-    [c_mem, mem, pending].
-    Evictions take whole groups of `rate` tokens (start is a multiple of the rate). With a compression that maps
-    each group to one entry on its own (`grouped`: all but "most_used"), each group (token a in group a // rate)
-    is compressed and projected as soon as it is complete, into group slot (a // rate) % groups of separate
-    buffers; an eviction copies its groups' entries into the compressed slots.
-    A cache that can be cropped by up to `margin` tokens keeps `margin` more token and group slots, and compressed
-    slots for the entries of the completions a crop may undo, with the counters before its last `history`
-    completions: a crop then only rewinds the counters.
-    """
+    def complete_segment(self, mem_len: int, unit: int) -> Eviction | None:
+        """mem = cat(mem, segment); when that holds more than mem_len, the oldest ceil(overflow / unit) * unit
+        entries leave it and are returned (then `store_compressed` must follow); None when nothing overflows."""
+        segment, segment_valid = self.pending, self.pending_valid
+        memory = torch.cat([self.mem, segment], dim=1)  # [batch, m_len + segment, hidden]
+        memory_valid = torch.cat([self.mem_valid, segment_valid], dim=1)
+        usage = None if self.mem_usage is None else torch.cat([self.mem_usage, self.pending_usage], dim=1)
+        overflow = memory.shape[1] - mem_len
+        count = -(-overflow // unit) * unit if overflow > 0 else 0
+        eviction = None
+        if count:
+            evicted_usage = None if usage is None else usage[:, :count]
+            eviction = Eviction(memory[:, :count], memory_valid[:, :count], evicted_usage, segment, segment_valid,
+                                self.c_mem.shape[1])  # fmt: skip
+            memory, memory_valid = memory[:, count:], memory_valid[:, count:]
+            usage = None if usage is None else usage[:, count:]
+        # without an eviction the key/value buffers already read [c_mem, mem + segment]: nothing to move
+        self.mem, self.mem_valid = memory, memory_valid
+        self.pending, self.pending_valid = segment[:, :0], segment_valid[:, :0]
+        if usage is not None:
+            self.mem_usage, self.pending_usage = usage, usage[:, :0]
+        return eviction
 
-    c_mem_len: int
-    mem_len: int
-    segment_length: int
-    rate: int
-    grouped: bool
-    margin: int = 0
+    def store_compressed(self, eviction: Eviction, compressed=None, compressed_valid=None, c_mem_len=0, project=None):
+        """After `complete_segment`: the compressed entries [batch, n, hidden] (detached) of the evicted block join
+        the compressed memory, which keeps its newest c_mem_len. `compressed` None: the block is dropped
+        (Transformer-XL). `project` (the layer's key/value projection) is called only when this layer keeps its
+        projections (inference)."""
+        if compressed is not None:
+            self.c_mem = torch.cat([self.c_mem, compressed], dim=1)[:, -c_mem_len:]
+            self.c_mem_valid = torch.cat([self.c_mem_valid, compressed_valid], dim=1)[:, -c_mem_len:]
+        if self.keys is None:
+            return
+        capacity, c_len, count = self.keys.shape[2], eviction.c_len, eviction.memories.shape[1]
+        all_keys, all_values = self.projected()  # [batch, heads, c_len + m_len + segment, d_head]
+        keys, values = all_keys[:, :, c_len + count :], all_values[:, :, c_len + count :]
+        if compressed is not None:
+            c_keys, c_values = project(compressed)
+            c_keys = torch.cat([all_keys[:, :, :c_len], c_keys], dim=2)[:, :, -c_mem_len:]
+            c_values = torch.cat([all_values[:, :, :c_len], c_values], dim=2)[:, :, -c_mem_len:]
+            keys, values = torch.cat([c_keys, keys], dim=2), torch.cat([c_values, values], dim=2)
+        self.store_projected(keys, values, capacity)
 
-    @property
-    def history(self) -> int:
-        return -(-self.margin // self.segment_length) + 1 if self.margin else 0
-
-    @property
-    def max_new_entries(self) -> int:
-        # an eviction takes at most ceil(segment_length / rate) * rate tokens (the memory never exceeds mem_len);
-        # with c_mem_len = 0 (Transformer-XL) nothing is compressed and there are no compressed slots at all
-        return -(-self.segment_length // self.rate) if self.c_mem_len else 0
-
-    @property
-    def ring(self) -> int:
-        # a full memory, an unfinished segment and the new token, plus the tokens a crop may take back
-        return self.mem_len + self.segment_length + self.margin
-
-    @property
-    def c_ring(self) -> int:
-        # one eviction's entries land in distinct slots; those of the completions a crop undoes stay
-        undone = self.history - 1 if self.margin else 0
-        return max(self.c_mem_len, self.max_new_entries) + undone * self.max_new_entries
-
-    @property
-    def slots(self) -> int:
-        return self.c_ring + self.ring
-
-    @property
-    def groups(self) -> int:
-        return -(-self.ring // self.rate) + 2  # every group from `start` to the newest token, with room to spare
-
-
-def slot_dim(buffer: torch.Tensor) -> int:
-    # static buffers: [batch, slots], [batch, slots, hidden] or [batch, heads, slots, d_head]
-    return 2 if buffer.dim() == 4 else 1
-
-
-def slot_index(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    # index [batch, n] over the slots of `buffer`, expanded to gather/scatter whole slots
-    if buffer.dim() == 4:
-        return index[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
-    if buffer.dim() == 3:
-        return index[..., None].expand(-1, -1, buffer.shape[2])
-    return index
-
-
-def gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return buffer.gather(slot_dim(buffer), slot_index(buffer, index))
+    def slot_layout(self, weights: torch.Tensor, c_mem_len: int, mem_len: int, segment_length: int) -> torch.Tensor:
+        """[batch, heads, q, c_len + m_len + p_len + q] probabilities -> [batch, heads, q, c_mem_len + mem_len +
+        segment_length]: the compressed-memory slots (newest last), the memory slots (newest last), then the
+        positions of the current segment; slots not held yet are zero. Every chunk of a call lands in the same
+        layout, so the layers' attentions concatenate over the whole input."""
+        c_len, m_len, _ = self.lengths()
+        compressed, memory, segment = weights.split([c_len, m_len, weights.shape[-1] - c_len - m_len], dim=-1)
+        layout = weights.new_zeros(*weights.shape[:-1], c_mem_len + mem_len + segment_length)
+        layout[..., c_mem_len - c_len : c_mem_len] = compressed
+        memory_end = c_mem_len + mem_len
+        layout[..., memory_end - m_len : memory_end] = memory
+        layout[..., memory_end : memory_end + segment.shape[-1]] = segment
+        return layout
 
 
-def write_slots(buffer: torch.Tensor, index: torch.Tensor, take: torch.Tensor, values: torch.Tensor) -> None:
-    """buffer's slots `index` [batch, n] (distinct per row) <- values where take [batch, n], unchanged elsewhere."""
-    dim = slot_dim(buffer)
-    take = take.view(*take.shape[:1], *([1] * (dim - 1)), take.shape[1], *([1] * (buffer.dim() - dim - 1)))
-    put_along(buffer, dim, index, torch.where(take, values, gather_slots(buffer, index)))
+@dataclasses.dataclass
+class Eviction:
+    """What a complete segment pushed out of a layer's memory: memories [batch, n, hidden] (n a multiple of the
+    eviction unit), their validity [batch, n] and ("most_used") the attention they received, with the segment
+    [batch, segment, hidden] that pushed them (the attention reconstruction loss attends from it) and the length
+    of the compressed memory before (`c_len`: the evicted block's keys follow it in the layer's key order)."""
+
+    memories: torch.Tensor
+    valid: torch.Tensor
+    usage: torch.Tensor | None
+    segment: torch.Tensor
+    segment_valid: torch.Tensor
+    c_len: int
 
 
 class CompressiveMemoryCache(Cache):
@@ -310,6 +320,12 @@ class CompressiveMemoryCache(Cache):
             if value is not None:
                 setattr(self, name, fn(value))
 
+    def detach(self) -> CompressiveMemoryCache:
+        """Makes sure no autograd graph outlives the step (the model stores detached layer inputs already)."""
+        for layer in self.layers:
+            layer.apply_to_batch(lambda t: t.detach())
+        return self
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply_to_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
         if self._host_rows is not None and any(row != self._host_rows[0] for row in self._host_rows):
@@ -356,6 +372,59 @@ class CompressiveMemoryCache(Cache):
             else:
                 self._host_rows[row] = list(sub._host_rows[0])
 
+    # the memories proper (the projected keys/values are a derived buffer that inference rebuilds), and the static
+    # form, whose rows may be at different fills: every buffer as it is, with the per-row counters
+    _SAVED = tuple(name for name in CompressiveMemoryLayer._BATCHED if name not in ("keys", "values"))
+    _SAVED_STATIC = (*CompressiveMemoryLayer._STATIC, "rel_table")
+
+    def state_dict(self) -> dict:
+        """The cache as a dict of tensors and plain values (for `torch.save`; loads with weights_only=True), in
+        either form: the compact one (training) or the static one (no-grad decoding steps, or a forward over padded
+        rows of different lengths), which is kept whole, so that rows at different fills come back exactly."""
+        layers = [{name: getattr(layer, name) for name in self._SAVED if getattr(layer, name) is not None}
+                  for layer in self.layers]  # fmt: skip
+        state = {"seen_tokens": int(self.seen_tokens), "layers": layers}
+        if self.is_static:
+            state["static"] = {
+                "layout": dataclasses.asdict(self._layout),
+                "crop_margin": self.crop_margin,
+                "groups_ready": bool(self._groups_ready),
+                "rows": {name: getattr(self, name) for name in self._ROWS},
+                "layers": [
+                    {name: getattr(layer, name) for name in self._SAVED_STATIC if getattr(layer, name) is not None}
+                    for layer in self.layers
+                ],
+            }
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device=None) -> CompressiveMemoryCache:
+        """The inverse of `state_dict`, on `device`."""
+        static = state.get("static")
+        cache = cls(len(state["layers"]), crop_margin=static["crop_margin"] if static else 0)
+        cache.seen_tokens = int(state["seen_tokens"])
+        _restore_fields(cache.layers, state["layers"], cls._SAVED, device)
+        if static:
+            cache._layout = StaticLayout(**static["layout"])
+            cache._groups_ready = bool(static["groups_ready"])
+            for name in cls._ROWS:
+                setattr(cache, name, _place(static["rows"][name], device))
+            _restore_fields(cache.layers, static["layers"], cls._SAVED_STATIC, device)
+        return cache
+
+    def to_static(self, layout: StaticLayout) -> None:
+        """Compact form (every row at the same fill, its projections stored) -> the static form of `layout`."""
+        to_static(self, layout)
+
+    def to_compact(self) -> None:
+        """Static form whose rows are all at the same fill -> compact form (reads the fills back to the host)."""
+        to_compact(self)
+
+    def decode_step(self, token_valid: torch.Tensor, tokens_real: bool, compressors) -> DecodeStep:
+        """Static form: the plan of one decoding step (token_valid [batch]), which the layers (`compressors`,
+        whose f_c compress what is evicted) run through (see `DecodeStep`)."""
+        return DecodeStep(self, token_valid, tokens_real, compressors)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last -tokens_to_remove tokens of every row (transformers' convention: a number <= 0; a
         positive number, as older transformers releases pass, is the length to keep),
@@ -398,3 +467,16 @@ class CompressiveMemoryCache(Cache):
         self._host_rows = torch.stack(
             [self.rows_seen, self.rows_start, self.rows_pending, self.rows_compressed], dim=1
         ).tolist()
+
+
+def _place(tensor: torch.Tensor, device) -> torch.Tensor:
+    return tensor.to(device) if device is not None else tensor
+
+
+def _restore_fields(layers: list[CompressiveMemoryLayer], saved: list[dict], allowed: tuple[str, ...], device):
+    for layer, fields in zip(layers, saved):
+        unknown = set(fields) - set(allowed)
+        if unknown:
+            raise ValueError(f"saved memory has unknown fields {sorted(unknown)}; expected some of {allowed}")
+        for name, tensor in fields.items():
+            setattr(layer, name, _place(tensor, device))

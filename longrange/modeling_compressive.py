@@ -31,15 +31,9 @@ from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .cache_compressive import (
-    CompressiveMemoryCache,
-    StaticLayout,
-    gather_slots,
-    slot_dim,
-    slot_index,
-    write_slots,
-)
+from .cache_compressive import CompressiveMemoryCache, StaticLayout
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
+from .compression import COMPRESSION_CLASSES
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import (
@@ -53,128 +47,6 @@ from .layers import (
 )
 from .loading import checked_from_pretrained
 from .product_key_memory import ProductKeyMemory
-
-# ----------------------------------------------------------------------------------------------------------------
-# Compression functions f_c: [batch, n, hidden] evicted memories (n a multiple of c) -> [batch, n / c, hidden]
-# Each also maps the validity of the n slots to the n / c compressed slots (valid if any source was valid) and
-# only lets valid memories into the result.
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _group_any(valid: torch.Tensor, rate: int) -> torch.Tensor:
-    # [batch, n] -> [batch, n / rate]: a compressed slot is valid if any of its sources was
-    return valid.view(valid.shape[0], -1, rate).any(dim=-1)
-
-
-class ConvCompression(nn.Module):
-    """1D convolution with kernel = stride = c (the paper's and the seed's best); invalid memories read as zero."""
-
-    def __init__(self, hidden_size: int, rate: int):
-        super().__init__()
-        self.rate = rate
-        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size=rate, stride=rate)
-
-    def forward(self, memories, valid, usage=None):
-        batch, n, hidden = memories.shape
-        memories = memories * valid[..., None].to(memories.dtype)
-        # kernel = stride = c: each output reads one group of c consecutive memories, so the convolution is a
-        # linear map of the flattened groups (one matrix product, faster than the convolution kernel on CPU). The
-        # weight [out, in, tap] and the groups [tap, in] disagree on the flattening order: one of them is copied,
-        # the weight, or the memories when they are a single group (decoding compresses one group per step)
-        groups = memories.view(batch, n // self.rate, self.rate, hidden)
-        if n == self.rate:
-            flat, weight = groups.transpose(2, 3).reshape(batch, n // self.rate, -1), self.conv.weight.flatten(1)
-        else:
-            flat = groups.reshape(batch, n // self.rate, -1)
-            weight = self.conv.weight.transpose(1, 2).reshape(hidden, self.rate * hidden)  # [out, (tap, in)]
-        return F.linear(flat, weight, self.conv.bias), _group_any(valid, self.rate)
-
-
-class DilatedConvCompression(nn.Module):
-    """Dilated convolution: kernel c, dilation 2, stride c, left-padded with c - 1 zero slots, so compressed slot j
-    sees every second memory of the 2c - 1 ending at the end of its group (a wider, sparser field than conv1d)."""
-
-    def __init__(self, hidden_size: int, rate: int):
-        super().__init__()
-        self.rate = rate
-        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size=rate, stride=rate, dilation=2)
-
-    def forward(self, memories, valid, usage=None):
-        memories = memories * valid[..., None].to(memories.dtype)
-        padded = F.pad(memories.transpose(1, 2), (self.rate - 1, 0))  # [batch, hidden, n + c - 1]
-        compressed = self.conv(padded).transpose(1, 2)
-        # the same receptive field applied to the validity mask
-        valid_padded = F.pad(valid.to(memories.dtype)[:, None], (self.rate - 1, 0))
-        compressed_valid = F.max_pool1d(valid_padded, self.rate, self.rate, dilation=2)[:, 0] > 0
-        return compressed, compressed_valid
-
-
-class MaxPoolCompression(nn.Module):
-    """Max over each group of c valid memories (zero for an all-padding group)."""
-
-    def __init__(self, hidden_size: int, rate: int):
-        super().__init__()
-        self.rate = rate
-
-    def forward(self, memories, valid, usage=None):
-        batch, n, hidden = memories.shape
-        groups = memories.masked_fill(~valid[..., None], float("-inf")).view(batch, n // self.rate, self.rate, hidden)
-        group_valid = _group_any(valid, self.rate)
-        compressed = groups.amax(dim=2).masked_fill(~group_valid[..., None], 0.0)
-        return compressed, group_valid
-
-
-class MeanPoolCompression(nn.Module):
-    """Mean over the valid memories of each group of c (zero for an all-padding group)."""
-
-    def __init__(self, hidden_size: int, rate: int):
-        super().__init__()
-        self.rate = rate
-
-    def forward(self, memories, valid, usage=None):
-        batch, n, hidden = memories.shape
-        weights = valid.to(memories.dtype).view(batch, n // self.rate, self.rate, 1)
-        sums = (memories.view(batch, n // self.rate, self.rate, hidden) * weights).sum(dim=2)
-        counts = weights.sum(dim=2)
-        return sums / counts.clamp_min(1.0), counts[..., 0] > 0
-
-
-class MostUsedCompression(nn.Module):
-    """Keeps the n / c evicted memories that received the most attention while in memory, in temporal order."""
-
-    def __init__(self, hidden_size: int, rate: int):
-        super().__init__()
-        self.rate = rate
-
-    def forward(self, memories, valid, usage):
-        chosen, chosen_valid = self.select(valid, usage)
-        compressed = memories.gather(1, chosen[..., None].expand(-1, -1, memories.shape[-1]))
-        return compressed, chosen_valid
-
-    def select(self, valid, usage, keep=None):
-        """[batch, n] validity and usage -> the chosen slots [batch, n / c] in temporal order and their validity.
-        `keep` [batch] (static decoding, where each row evicts its own number of memories from a fixed window):
-        only the first keep[b] chosen slots of row b count (the top keep[b] of its valid slots, in temporal order;
-        the rest are marked invalid)."""
-        slots = valid.shape[1] // self.rate
-        score = usage.float().masked_fill(~valid, float("-inf"))
-        ranked = score.topk(slots, dim=1).indices  # [batch, n / c], best first
-        if keep is None:
-            chosen = ranked.sort(dim=1).values
-            return chosen, valid.gather(1, chosen)
-        kept = torch.arange(slots, device=valid.device) < keep[:, None]
-        chosen = ranked.masked_fill(~kept, valid.shape[1]).sort(dim=1).values.clamp_max(valid.shape[1] - 1)
-        return chosen, valid.gather(1, chosen) & kept
-
-
-COMPRESSION_CLASSES = {
-    "conv1d": ConvCompression,
-    "dilated_conv": DilatedConvCompression,
-    "max_pool": MaxPoolCompression,
-    "mean_pool": MeanPoolCompression,
-    "most_used": MostUsedCompression,
-}
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Attention
@@ -757,7 +629,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         if split:
             return self._forward_rows(hidden_states, valid, cache, output_hidden_states, output_attentions)
         if cache.is_static:
-            self._to_compact(cache)
+            cache.to_compact()
         if cache.layers[0].is_empty:
             for layer_state in cache.layers:
                 layer_state.init_empty(hidden_states.detach(), self.track_usage)
@@ -803,7 +675,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             if index.numel() == 0:
                 continue
             sub = cache.select_row(row)
-            self._to_compact(sub)
+            sub.to_compact()
             out, hidden, attentions, row_losses = self._run_segments(
                 hidden_states[row : row + 1, index], valid[row : row + 1, index], sub, output_hidden_states,
                 output_attentions,
@@ -902,8 +774,8 @@ class CompressiveModel(CompressivePreTrainedModel):
 
     @torch.no_grad()
     def _to_static(self, cache, like: torch.Tensor) -> None:
-        """Compact form (every row at the same fill; empty allowed) -> static form, numbering the held tokens from
-        0 (distances only depend on differences) and the compressed entries likewise."""
+        """Hands the cache its static layout (for one-token decoding steps), with what only the layers can compute:
+        each layer's relative table and the projections of its memories."""
         config = self.config
         layout = StaticLayout(
             config.c_mem_len,
@@ -913,159 +785,23 @@ class CompressiveModel(CompressivePreTrainedModel):
             grouped=self.compresses and not self.track_usage,
             margin=cache.crop_margin,
         )
-        cache._layout = layout
         if cache.layers[0].is_empty:
             for layer_state in cache.layers:
                 layer_state.init_empty(like.detach(), self.track_usage)
-        c_len, m_len, p_len = cache.layers[0].lengths()
-        held = m_len + p_len
-        batch, device = cache.layers[0].mem.shape[0], like.device
-
-        def counter(value):
-            return torch.full((batch,), value, dtype=torch.long, device=device)
-
-        # tokens numbered from rate * c_len (start = rate * compressed always; see StaticLayout)
-        first = self.eviction_unit * c_len
-        cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
-        cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
-        cache._host_rows = [[first + held, first, p_len, c_len] for _ in range(batch)]
-        cache._step_geometry = None
-        # (start, compressed) before each of the last `history` segment completions; -1: not recorded
-        cache.rows_history = torch.full((batch, layout.history, 2), -1, dtype=torch.long, device=device)
-        tokens = layout.c_ring + (first + torch.arange(held, device=device)) % layout.ring
         for layer, state in zip(self.layers, cache.layers):
             if state.rel_table is None:
                 state.rel_table = self._relative_table(layer, self._capacity, state.mem)
             if state.keys is None:
                 state.store_projected(*layer.project_memory(state.context()), self._capacity)
-            keys, values = state.projected()
-            memory = torch.cat([state.mem, state.pending], dim=1)
-            memory_valid = torch.cat([state.mem_valid, state.pending_valid], dim=1)
-            state.ring = state.mem.new_zeros(batch, layout.slots, state.mem.shape[-1])
-            state.ring[:, :c_len], state.ring[:, tokens] = state.c_mem, memory
-            state.ring_real = torch.zeros(batch, layout.slots, dtype=torch.bool, device=device)
-            state.ring_real[:, :c_len], state.ring_real[:, tokens] = state.c_mem_valid, memory_valid
-            state.ring_keys = keys.new_zeros(batch, keys.shape[1], layout.slots, keys.shape[3])
-            state.ring_values = torch.zeros_like(state.ring_keys)
-            for buffer, projected in ((state.ring_keys, keys), (state.ring_values, values)):
-                buffer[:, :, :c_len], buffer[:, :, tokens] = projected[:, :, :c_len], projected[:, :, c_len:]
-            if self.track_usage:
-                state.ring_usage = torch.zeros(batch, layout.slots, dtype=torch.float32, device=device)
-                state.ring_usage[:, tokens] = torch.cat([state.mem_usage, state.pending_usage], dim=1)
-            state.clear_compact()
-        cache._groups_ready = False  # compressed by the first branch-free step (see _materialize_groups)
-
-    def _materialize_groups(self, cache, layout) -> None:
-        """Compresses (and projects) every group of every row's held tokens into the group buffers, which
-        branch-free decoding steps then keep current (eager steps that follow the fills on the host compress at
-        eviction instead and leave the buffers stale). Groups are aligned on `start` (a multiple of the rate): the
-        first one is compressed as the first of a block (the oldest group is always evicted first)."""
-        rate = self.config.compression_rate
-        count = layout.groups - 2  # ceil(ring / rate): every held group
-        start = cache.rows_start
-        tokens = start[:, None] + torch.arange(count * rate, device=start.device)  # [batch, count * rate]
-        slots = layout.c_ring + tokens % layout.ring
-        in_ring = tokens < cache.rows_seen[:, None]
-        group_slots = ((start // rate)[:, None] + torch.arange(count, device=start.device)) % layout.groups
-        for layer, state in zip(self.layers, cache.layers):
-            batch, hidden = state.ring.shape[0], state.ring.shape[-1]
-            heads, head_dim = layer.attention.num_heads, layer.attention.head_dim
-            block = gather_slots(state.ring, slots)
-            block_valid = gather_slots(state.ring_real, slots) & in_ring
-            variants = [("grouped", layer.compress_memory(block, block_valid))]
-            if isinstance(layer.compress, DilatedConvCompression):  # each group also compressed alone
-                alone = layer.compress_memory(block.reshape(batch * count, rate, hidden), block_valid.reshape(-1, rate))
-                variants.append(("leading", (alone[0].view(batch, count, hidden), alone[1].view(batch, count))))
-            for name, (compressed, compressed_valid) in variants:
-                values = (compressed, *layer.project_memory(compressed), compressed_valid)
-                buffers = (
-                    state.ring.new_zeros(batch, layout.groups, hidden),
-                    state.ring.new_zeros(batch, heads, layout.groups, head_dim),
-                    state.ring.new_zeros(batch, heads, layout.groups, head_dim),
-                    torch.zeros(batch, layout.groups, dtype=torch.bool, device=start.device),
-                )
-                for suffix, buffer, value in zip(("", "_keys", "_values", "_valid"), buffers, values):
-                    buffer.scatter_(slot_dim(buffer), slot_index(buffer, group_slots), value)
-                    setattr(state, name + suffix, buffer)
-        cache._groups_ready = True
-
-    @torch.no_grad()
-    def _to_compact(self, cache) -> None:
-        """Static form whose rows are all at the same fill -> compact form (reads the fills back to the host)."""
-        layout = cache._layout
-        c_len, m_len, p_len = cache.row_lengths()[0]
-        device = cache.rows_seen.device
-        c_index = (cache.rows_compressed[:, None] - c_len + torch.arange(c_len, device=device)) % layout.c_ring
-        held = torch.arange(m_len + p_len, device=device)
-        token_index = layout.c_ring + (cache.rows_start[:, None] + held) % layout.ring
-        index = torch.cat([c_index, token_index], dim=1)  # [batch, c + m + p], in compact order
-        for state in cache.layers:
-            context = state.ring.gather(1, index[..., None].expand(-1, -1, state.ring.shape[-1]))
-            state.c_mem, state.mem, state.pending = context.split([c_len, m_len, p_len], dim=1)
-            real = state.ring_real.gather(1, index)
-            state.c_mem_valid, state.mem_valid, state.pending_valid = real.split([c_len, m_len, p_len], dim=1)
-            kv_index = index[:, None, :, None].expand(-1, state.ring_keys.shape[1], -1, state.ring_keys.shape[3])
-            keys, values = state.ring_keys.gather(2, kv_index), state.ring_values.gather(2, kv_index)
-            state.store_projected(keys, values, self._capacity)
-            if self.track_usage:
-                usage = state.ring_usage.gather(1, token_index)
-                state.mem_usage, state.pending_usage = usage.split([m_len, p_len], dim=1)
-            state.clear_static()
-        for name in CompressiveMemoryCache._ROWS:
-            setattr(cache, name, None)
-        cache._host_rows = cache._step_geometry = None
+        cache.to_static(layout)
 
     def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states, output_attentions, tokens_real):
-        """One token per row [batch, 1, hidden] through the static form. The token goes to its row's own slot;
-        a row whose segment it completes evicts and compresses at once; every update is an in-place, fixed-shape
-        write selected per row (no branch on values, no host read). `tokens_real`: the caller knows every token is
-        real (no attention mask); eager steps then follow the rows' fills on the host (`_host_rows`) and skip the
-        group compression and the eviction copies on the steps where no row needs them."""
-        layout, rate, segment = cache._layout, self.eviction_unit, self.config.segment_length
-        device = hidden_states.device
-        seen, start = cache.rows_seen, cache.rows_start
-        pending, compressed = cache.rows_pending, cache.rows_compressed
-        write = layout.c_ring + seen % layout.ring  # [batch]: the new token's slot
-        host = cache._host_rows if tokens_real and not torch.compiler.is_compiling() else None
-        segments_complete = host is None or any(row[2] + 1 == segment for row in host)
-        if host is not None:
-            cache._groups_ready = False  # eager steps compress at eviction and leave the group buffers stale
-
-        # geometry of the held slots, shared by the layers: visibility and each slot's column in the relative table.
-        # Between two segment completions, eager steps that follow the fills on the host only move it by one token.
-        if host is not None and cache._step_geometry is not None:
-            columns, in_window = cache._step_geometry
-            columns.sub_(1).clamp_min_(0).scatter_(1, write[:, None], self._capacity - 1)
-            in_window.scatter_(1, write[:, None], True)
-        else:
-            columns, in_window = self._geometry(cache, layout, write)
-        cache._step_geometry = (columns, in_window) if host is not None and not segments_complete else None
-        if segments_complete:
-            # the memory update of rows whose segment this token completes
-            completes = token_valid & (pending + 1 == segment)
-            memory_len = seen + 1 - start - segment  # before the update, for completing rows
-            overflow = (memory_len + segment - layout.mem_len).clamp_min(0)
-            evicted = torch.where(completes, -(-overflow // rate) * rate, 0)
-            new_entries = evicted // rate if self.compresses else torch.zeros_like(evicted)
-            entry_index = torch.arange(layout.max_new_entries, device=device)
-            targets = (compressed[:, None] + entry_index) % layout.c_ring  # [batch, max_new_entries]
-            takes = entry_index < new_entries[:, None]
-        if layout.grouped and host is None:
-            # branch-free: the new token's group is compressed now (a partial group is rewritten when it completes;
-            # evictions only take complete groups), with the group before it for the dilated convolution
-            if not cache._groups_ready:
-                self._materialize_groups(cache, layout)
-            group = seen // rate
-            span = 2 * rate if self.config.compression_function == "dilated_conv" else rate
-            group_tokens = group[:, None] * rate + torch.arange(rate - span, rate, device=device)
-            group_slots = layout.c_ring + group_tokens % layout.ring
-            sources = ((start // rate)[:, None] + entry_index) % layout.groups  # the evicted groups' slots
-
+        """One token per row [batch, 1, hidden] through the cache's static form (see `DecodeStep`): each layer
+        attends the slot buffers the token was written into, then compresses what its row evicts."""
+        step = cache.decode_step(token_valid, tokens_real, self.layers)
         layer_outputs, layer_attentions = [], []
         for layer, state in zip(self.layers, cache.layers):
-            put_along(state.ring, 1, write[:, None], hidden_states)
-            put_along(state.ring_real, 1, write[:, None], token_valid[:, None])
-            mask = (in_window & state.ring_real)[:, None, None, :]  # the new token is visible: written above
+            mask = step.write_token(state, hidden_states)  # [batch, 1, 1, slots]
             out, _, _, _, weights = layer(
                 hidden_states,
                 state.rel_table,
@@ -1073,135 +809,16 @@ class CompressiveModel(CompressivePreTrainedModel):
                 memory_values=state.ring_values,
                 attention_mask=mask,
                 need_weights=self.track_usage or output_attentions,
-                write_index=write,
-                key_columns=columns,
+                write_index=step.write,
+                key_columns=step.columns,
             )
             if output_attentions:
-                layer_attentions.append(self._static_slot_layout(weights, cache, layout))
-            buffers = (state.ring, state.ring_keys, state.ring_values, state.ring_real)
-            if layout.grouped and host is not None:
-                if segments_complete:  # the evicted blocks compressed at once, as the compact form does
-                    window = torch.arange(layout.max_new_entries * rate, device=device)
-                    window_slots = layout.c_ring + (start[:, None] + window) % layout.ring
-                    window_valid = gather_slots(state.ring_real, window_slots) & (window < evicted[:, None])
-                    compressed_entries, entries_valid = layer.compress_memory(
-                        gather_slots(state.ring, window_slots), window_valid
-                    )
-                    entries = (compressed_entries, *layer.project_memory(compressed_entries), entries_valid)
-                    for buffer, values in zip(buffers, entries):
-                        write_slots(buffer, targets, takes, values)
-            elif layout.grouped:
-                self._compress_group(layer, state, group, group_tokens, group_slots, layout)
-                grouped = (state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)
-                entries = [gather_slots(buffer, sources) for buffer in grouped]
-                if state.leading is not None:  # a block's first group, as the convolution sees it there
-                    leading = (state.leading, state.leading_keys, state.leading_values, state.leading_valid)
-                    entries = [
-                        torch.cat([gather_slots(lead, sources[:, :1]), rest.narrow(dim, 1, rest.shape[dim] - 1)],
-                                  dim=dim)
-                        for lead, rest, dim in ((a, b, slot_dim(b)) for a, b in zip(leading, entries))
-                    ]  # fmt: skip
-                for buffer, values in zip(buffers, entries):
-                    write_slots(buffer, targets, takes, values)
-            elif self.track_usage:  # most used: the chosen tokens are copied into the compressed slots
-                received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
-                state.ring_usage.scatter_(1, write[:, None], 0.0).add_(received)
-                if segments_complete:
-                    chosen = self._select_most_used(layer, state, start, evicted, new_entries, layout)
-                    for buffer, values in zip(buffers, [gather_slots(buffer, chosen) for buffer in buffers]):
-                        write_slots(buffer, targets, takes, values)
+                layer_attentions.append(step.slot_layout(weights))
+            step.compress_evicted(state, layer, weights)
             layer_outputs.append(out)
             hidden_states = out
-
-        if not segments_complete:  # (followed on the host: every token real, no completion)
-            cache.rows_pending.add_(1)
-            cache.rows_seen.add_(1)
-        else:
-            if layout.history:
-                before = torch.stack([start, compressed], dim=1)[:, None]
-                shifted = torch.cat([cache.rows_history[:, 1:], before], dim=1)
-                cache.rows_history.copy_(torch.where(completes[:, None, None], shifted, cache.rows_history))
-            cache.rows_start.add_(evicted)
-            cache.rows_compressed.add_(new_entries)
-            cache.rows_pending.copy_(torch.where(completes, 0, pending + token_valid))
-            cache.rows_seen.add_(token_valid.long())
-        cache._host_rows = None if host is None else [self._host_step(row) for row in host]
+        step.finish()
         return hidden_states, layer_outputs if output_hidden_states else None, layer_attentions
-
-    def _static_slot_layout(self, weights: torch.Tensor, cache, layout) -> torch.Tensor:
-        """A decoding step's probabilities [batch, heads, 1, slots] over the static form's slots (compressed ring,
-        then token ring) -> the fixed slot layout of `_slot_layout`, from each slot's entry / token index: compressed
-        entry e at c_mem_len - (compressed - e), token t at c_mem_len + mem_len + t - (first token of the segment)."""
-        config = self.config
-        seen, start, compressed = cache.rows_seen[:, None], cache.rows_start[:, None], cache.rows_compressed[:, None]
-        device = seen.device
-        c_slots = torch.arange(layout.c_ring, device=device)
-        entry = c_slots + layout.c_ring * torch.div(compressed - 1 - c_slots, layout.c_ring, rounding_mode="floor")
-        token_slots = torch.arange(layout.ring, device=device)
-        held = token_slots + layout.ring * torch.div(seen - token_slots, layout.ring, rounding_mode="floor")
-        memory_end, size = config.c_mem_len + config.mem_len, config.c_mem_len + config.mem_len + config.segment_length
-        entry_column = config.c_mem_len - (compressed - entry)
-        token_column = memory_end + held - (seen - cache.rows_pending[:, None])
-        shown = torch.cat([(entry >= 0) & (entry_column >= 0), held >= start], dim=1)
-        columns = torch.where(shown, torch.cat([entry_column, token_column], dim=1), size)  # size: not held
-        out = weights.new_zeros(*weights.shape[:-1], size + 1)
-        return out.scatter_add_(-1, columns[:, None, None, :].expand_as(weights), weights)[..., :size]
-
-    def _geometry(self, cache, layout, write):
-        """[batch, slots] column of each slot in the relative table (capacity-1 minus the distance from the new
-        token, at slot `write`, to what the slot holds) and whether the slot is held (compressed memory, memory,
-        the unfinished segment, the token itself); padding slots are masked apart (`ring_real`)."""
-        seen, start, compressed = cache.rows_seen, cache.rows_start, cache.rows_compressed
-        device = seen.device
-        token_slots = torch.arange(layout.ring, device=device)
-        held = token_slots + layout.ring * torch.div(seen[:, None] - token_slots, layout.ring, rounding_mode="floor")
-        c_slots = torch.arange(layout.c_ring, device=device)
-        entry = c_slots + layout.c_ring * torch.div(
-            compressed[:, None] - 1 - c_slots, layout.c_ring, rounding_mode="floor"
-        )  # newest compressed entry in each slot
-        entry_visible = (entry >= 0) & (entry >= compressed[:, None] - layout.c_mem_len)
-        token_visible = held >= start[:, None]  # held <= seen by construction
-        distance = torch.cat([(seen - start + compressed)[:, None] - entry, seen[:, None] - held], dim=1)
-        columns = (self._capacity - 1 - distance).clamp(0, self._capacity - 1)
-        return columns, torch.cat([entry_visible, token_visible], dim=1)
-
-    def _host_step(self, row: list[int]) -> list[int]:
-        """(seen, start, pending, compressed) of a row after one real token: the schedule, on the host."""
-        seen, start, pending, compressed = row
-        if pending + 1 < self.config.segment_length:
-            return [seen + 1, start, pending + 1, compressed]
-        rate = self.eviction_unit
-        overflow = max(0, seen + 1 - start - self.config.mem_len)  # memory + segment beyond mem_len
-        evicted = -(-overflow // rate) * rate
-        return [seen + 1, start + evicted, 0, compressed + evicted // rate]
-
-    def _compress_group(self, layer, state, group, group_tokens, group_slots, layout) -> None:
-        """Compresses the group of the newest token (with the group before it for the dilated convolution) into
-        its group slot, projected."""
-        hidden = state.ring.shape[-1]
-        members = state.ring.gather(1, group_slots[..., None].expand(-1, -1, hidden))  # [batch, span, hidden]
-        real = state.ring_real.gather(1, group_slots) & (group_tokens >= 0)
-        slot = (group % layout.groups)[:, None]
-        compressed, compressed_valid = (t[:, -1:] for t in layer.compress_memory(members, real))  # [batch, 1, ...]
-        targets = [(state.grouped, state.grouped_keys, state.grouped_values, state.grouped_valid)]
-        results = [(compressed, *layer.project_memory(compressed), compressed_valid)]
-        if state.leading is not None:
-            rate = self.config.compression_rate
-            compressed, compressed_valid = layer.compress_memory(members[:, -rate:], real[:, -rate:])
-            targets.append((state.leading, state.leading_keys, state.leading_values, state.leading_valid))
-            results.append((compressed, *layer.project_memory(compressed), compressed_valid))
-        for buffers, values in zip(targets, results):
-            for buffer, value in zip(buffers, values):
-                put_along(buffer, slot_dim(buffer), slot, value)
-
-    def _select_most_used(self, layer, state, start, evicted, new_entries, layout) -> torch.Tensor:
-        """Most-used compression: the slots [batch, max_new_entries] of the tokens each row keeps from its evicted
-        block (the first new_entries[b] count), in temporal order."""
-        window = torch.arange(layout.max_new_entries * self.config.compression_rate, device=start.device)
-        window_slots = layout.c_ring + (start[:, None] + window) % layout.ring
-        valid = state.ring_real.gather(1, window_slots) & (window < evicted[:, None])
-        chosen, _ = layer.compress.select(valid, state.ring_usage.gather(1, window_slots), new_entries)
-        return window_slots.gather(1, chosen)
 
     def _forward_chunk(
         self, hidden_states, valid, cache, relative_tables, reconstruction_losses, recent_kv, output_attentions=False

@@ -30,7 +30,6 @@ The rules MemoryTrainer follows:
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import logging
 import os
@@ -45,7 +44,7 @@ from torch.utils.data import Dataset, SequentialSampler
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from .cache_compressive import CompressiveMemoryCache, CompressiveMemoryLayer, StaticLayout
+from .cache_compressive import CompressiveMemoryCache
 from .compat import TRAINER_COUNTS_PREDICTED_LABELS
 from .data import StreamBatcher
 from .training import carries_cache
@@ -259,70 +258,15 @@ def collate_stream_windows(features: list[dict]) -> dict:
 # Memories as plain tensors (checkpoint files load with weights_only=True)
 # ----------------------------------------------------------------------------------------------------------------
 
-# the memories proper; the projected keys/values are a derived buffer that inference rebuilds
-_MEMORY_FIELDS = tuple(name for name in CompressiveMemoryLayer._BATCHED if name not in ("keys", "values"))
-# the static (decoding) form, whose rows may be at different fills: every buffer as it is, with the per-row counters
-_STATIC_FIELDS = (*CompressiveMemoryLayer._STATIC, "rel_table")
-
 
 def memory_state(cache: CompressiveMemoryCache) -> dict:
-    """A `CompressiveMemoryCache` as a dict of tensors and plain values (for `torch.save`), in either form: the
-    compact one (training) or the static one (no-grad decoding steps, or a forward over padded rows of different
-    lengths), which is kept whole, so that rows at different fills come back exactly."""
-    layers = []
-    for layer in cache.layers:
-        layers.append({name: getattr(layer, name) for name in _MEMORY_FIELDS if getattr(layer, name) is not None})
-    state = {"seen_tokens": int(cache.seen_tokens), "layers": layers}
-    if cache.is_static:
-        state["static"] = {
-            "layout": dataclasses.asdict(cache._layout),
-            "crop_margin": cache.crop_margin,
-            "groups_ready": bool(cache._groups_ready),
-            "rows": {name: getattr(cache, name) for name in CompressiveMemoryCache._ROWS},
-            "layers": [
-                {name: getattr(layer, name) for name in _STATIC_FIELDS if getattr(layer, name) is not None}
-                for layer in cache.layers
-            ],
-        }
-    return state
+    """A `CompressiveMemoryCache` as a dict of tensors and plain values (for `torch.save`); the cache saves itself."""
+    return cache.state_dict()
 
 
 def memory_from_state(state: dict, device=None) -> CompressiveMemoryCache:
     """The inverse of `memory_state`, on `device`."""
-
-    def place(tensor):
-        return tensor.to(device) if device is not None else tensor
-
-    static = state.get("static")
-    cache = CompressiveMemoryCache(len(state["layers"]), crop_margin=static["crop_margin"] if static else 0)
-    cache.seen_tokens = int(state["seen_tokens"])
-    for layer, fields in zip(cache.layers, state["layers"]):
-        unknown = set(fields) - set(_MEMORY_FIELDS)
-        if unknown:
-            raise ValueError(f"saved memory has unknown fields {sorted(unknown)}; expected some of {_MEMORY_FIELDS}")
-        for name, tensor in fields.items():
-            setattr(layer, name, place(tensor))
-    if static:
-        cache._layout = StaticLayout(**static["layout"])
-        cache._groups_ready = bool(static["groups_ready"])
-        for name in CompressiveMemoryCache._ROWS:
-            setattr(cache, name, place(static["rows"][name]))
-        for layer, fields in zip(cache.layers, static["layers"]):
-            unknown = set(fields) - set(_STATIC_FIELDS)
-            if unknown:
-                raise ValueError(
-                    f"saved memory has unknown fields {sorted(unknown)}; expected some of {_STATIC_FIELDS}"
-                )
-            for name, tensor in fields.items():
-                setattr(layer, name, place(tensor))
-    return cache
-
-
-def _detach_memory(cache: CompressiveMemoryCache) -> CompressiveMemoryCache:
-    # the model stores detached layer inputs already; this makes sure no graph outlives its step
-    for layer in cache.layers:
-        layer.apply_to_batch(lambda t: t.detach())
-    return cache
+    return CompressiveMemoryCache.from_state_dict(state, device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -457,7 +401,7 @@ class MemoryTrainer(LongrangeTrainer):
             )
             self._warned_rebuild = True
         outputs = model(**inputs, cache=cache, use_cache=True, **loss_kwargs)
-        memories[stream.lanes] = (stream.position + 1, _detach_memory(outputs.cache))
+        memories[stream.lanes] = (stream.position + 1, outputs.cache.detach())
         return outputs
 
     def evaluation_loop(self, *args, **kwargs):
