@@ -517,22 +517,7 @@ class CompressiveModel(CompressivePreTrainedModel):
     ) -> CompressiveModelOutput | tuple:
         config = self.config
         output_attentions = output_attentions if output_attentions is not None else config.output_attentions
-        if kwargs.get("position_ids") is not None:
-            raise ValueError(
-                "position_ids is not supported by the Compressive model: positions are relative (Transformer-XL) and "
-                "follow from the tokens the cache has seen; pass the tokens in order instead"
-            )
-        if cache is None:
-            cache = past_key_values
-        if cache is not None:
-            check_cache(cache, "compressive", 0, 0)
-            if not isinstance(cache, CompressiveMemoryCache):
-                raise TypeError(f"cache must be a CompressiveMemoryCache, got {type(cache).__name__}")
-        if cache is not None and cache.crop_margin and self.track_usage:
-            raise ValueError(
-                "a CompressiveMemoryCache with crop_margin > 0 (croppable, e.g. for assisted decoding) needs a "
-                "compression_function other than 'most_used' (its choice depends on attention a crop cannot undo)"
-            )
+        cache = self._checked_cache(cache if cache is not None else past_key_values, kwargs)
         if use_cache is None:
             use_cache = config.use_cache and not self.training
         register_fsdp_methods(self.layers)  # per-layer FSDP units: what the model calls on a layer outside forward
@@ -547,23 +532,62 @@ class CompressiveModel(CompressivePreTrainedModel):
             check_cache(cache, "compressive", batch, 0 if cache.layers[0].is_empty else cache.layers[0].batch_size)
         valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
 
-        # decoding (one token, no gradient): the static form, each row at its own fill, fixed shapes, nothing read
-        # back to the host. A croppable cache also takes the last crop_margin tokens of longer calls one at a
-        # time, so that a crop finds what it needs in the static buffers.
+        outputs, layer_outputs, layer_attentions, losses = self._run_layers(
+            hidden_states, valid, cache, attention_mask is not None, use_cache, output_hidden_states, output_attentions
+        )
+        cache.seen_tokens += seq_len
+
+        final = self.norm(outputs)
+        result = CompressiveModelOutput(
+            last_hidden_state=final,
+            cache=cache if use_cache else None,
+            hidden_states=(hidden_states, *layer_outputs[:-1], final) if output_hidden_states else None,
+            attentions=tuple(layer_attentions) if output_attentions else None,
+            reconstruction_loss=self._reconstruction_loss_of_call(losses),
+        )
+        return result if return_dict else result.to_tuple()
+
+    def _checked_cache(self, cache, kwargs) -> CompressiveMemoryCache | None:
+        """The caller's cache (or None), refused early when it cannot serve this model (see `longrange/inputs.py`)."""
+        if kwargs.get("position_ids") is not None:
+            raise ValueError(
+                "position_ids is not supported by the Compressive model: positions are relative (Transformer-XL) and "
+                "follow from the tokens the cache has seen; pass the tokens in order instead"
+            )
+        if cache is not None:
+            check_cache(cache, "compressive", 0, 0)
+            if not isinstance(cache, CompressiveMemoryCache):
+                raise TypeError(f"cache must be a CompressiveMemoryCache, got {type(cache).__name__}")
+        if cache is not None and cache.crop_margin and self.track_usage:
+            raise ValueError(
+                "a CompressiveMemoryCache with crop_margin > 0 (croppable, e.g. for assisted decoding) needs a "
+                "compression_function other than 'most_used' (its choice depends on attention a crop cannot undo)"
+            )
+        return cache
+
+    def _run_layers(self, hidden_states, valid, cache, masked, use_cache, output_hidden_states, output_attentions):
+        """[batch, seq, hidden] layer-0 inputs -> (last layer's outputs, each layer's outputs, each layer's attentions,
+        reconstruction losses). Decoding (one token, no gradient) uses the cache's static form: each row at its own
+        fill, fixed shapes, nothing read back to the host. A croppable cache also takes the last crop_margin tokens
+        of longer calls one at a time, so that a crop finds what it needs in the static buffers. Everything else
+        runs segment by segment through the compact form."""
+        seq_len = hidden_states.shape[1]
         stepped = 0
         if not torch.is_grad_enabled():
             stepped = seq_len if seq_len == 1 else min(seq_len, cache.crop_margin)
         head = seq_len - stepped
-        layer_outputs, layer_attentions, reconstruction_losses = [], None, []
+        results = []
         if head:
-            outputs, layer_outputs, layer_attentions, reconstruction_losses = self._forward_tokens(
-                hidden_states[:, :head],
-                valid[:, :head],
-                cache,
-                attention_mask is not None,
-                use_cache,
-                output_hidden_states,
-                output_attentions,
+            results.append(
+                self._forward_tokens(
+                    hidden_states[:, :head],
+                    valid[:, :head],
+                    cache,
+                    masked,
+                    use_cache,
+                    output_hidden_states,
+                    output_attentions,
+                )  # fmt: skip
             )
         if stepped:
             if not cache.is_static:
@@ -575,42 +599,30 @@ class CompressiveModel(CompressivePreTrainedModel):
                     cache,
                     output_hidden_states,
                     output_attentions,
-                    tokens_real=attention_mask is None,
-                )
+                    tokens_real=not masked,
+                )  # fmt: skip
                 for t in range(head, seq_len)
             ]
-            step_outputs = torch.cat([out for out, _, _ in steps], dim=1)
-            outputs = torch.cat([outputs, step_outputs], dim=1) if head else step_outputs
-            if output_hidden_states:
-                step_layers = [torch.cat(layer, dim=1) for layer in zip(*(hidden for _, hidden, _ in steps))]
-                if head:
-                    step_layers = [torch.cat(pair, dim=1) for pair in zip(layer_outputs, step_layers)]
-                layer_outputs = step_layers
-            if output_attentions:
-                step_maps = [torch.cat(layer, dim=2) for layer in zip(*(maps for _, _, maps in steps))]
-                if head:
-                    step_maps = [torch.cat(pair, dim=2) for pair in zip(layer_attentions, step_maps)]
-                layer_attentions = step_maps
-        cache.seen_tokens += seq_len
-
-        all_hidden = None
-        final = self.norm(outputs)
-        if output_hidden_states:
-            all_hidden = (hidden_states, *layer_outputs[:-1], final)
-        reconstruction_loss = torch.stack(reconstruction_losses).mean() if reconstruction_losses else None
-        if reconstruction_loss is None and self.training and torch.is_grad_enabled():
-            if config.reconstruction_loss != "none":
-                # no memory was evicted in this call: an exact zero that still touches every f_c (and decoder)
-                # parameter, so data-parallel training sees the same parameters used on every step
-                reconstruction_loss = torch.stack([layer.compression_zero() for layer in self.layers]).sum()
-        result = CompressiveModelOutput(
-            last_hidden_state=final,
-            cache=cache if use_cache else None,
-            hidden_states=all_hidden,
-            attentions=tuple(layer_attentions) if output_attentions else None,
-            reconstruction_loss=reconstruction_loss,
+            results.append(_concatenate_steps(steps, output_hidden_states, output_attentions))
+        if len(results) == 1:
+            return results[0]
+        (outputs, hidden, maps, losses), (step_outputs, step_hidden, step_maps, _) = results
+        return (
+            torch.cat([outputs, step_outputs], dim=1),
+            [torch.cat(pair, dim=1) for pair in zip(hidden, step_hidden)] if output_hidden_states else hidden,
+            [torch.cat(pair, dim=2) for pair in zip(maps, step_maps)] if output_attentions else maps,
+            losses,
         )
-        return result if return_dict else result.to_tuple()
+
+    def _reconstruction_loss_of_call(self, losses: list[torch.Tensor]) -> torch.Tensor | None:
+        """The mean of the call's reconstruction losses; when training evicted nothing into f_c (or c_mem_len = 0),
+        an exact zero that still touches every f_c (and decoder) parameter, so that data-parallel training sees
+        the same parameters used on every step; None otherwise."""
+        if losses:
+            return torch.stack(losses).mean()
+        if self.training and torch.is_grad_enabled() and self.config.reconstruction_loss != "none":
+            return torch.stack([layer.compression_zero() for layer in self.layers]).sum()
+        return None
 
     def _forward_tokens(self, hidden_states, valid, cache, masked, use_cache, output_hidden_states, output_attentions):
         """Any number of tokens through the compact form. Each row's real tokens are moved to the front first (a
@@ -872,8 +884,10 @@ class CompressiveModel(CompressivePreTrainedModel):
                 ).detach()
             starts_segment = state.pending.shape[1] == 0
             if output_attentions:
-                layer_attentions.append(self._slot_layout(weights, state))
-            self._store_chunk(state, hidden_states.detach(), valid, weights if self.track_usage else None)
+                layer_attentions.append(
+                    state.slot_layout(weights, config.c_mem_len, config.mem_len, config.segment_length)
+                )
+            state.append_chunk(hidden_states.detach(), valid, weights if self.track_usage else None)
             if completes_segment:
                 # the chunk is the whole segment when it started one: its projections can serve the reconstruction
                 projections = (query, keys, values) if starts_segment else None
@@ -884,97 +898,54 @@ class CompressiveModel(CompressivePreTrainedModel):
             hidden_states = out
         return hidden_states, layer_outputs, layer_attentions
 
-    def _slot_layout(self, weights: torch.Tensor, state) -> torch.Tensor:
-        """[batch, heads, q, c_len + m_len + p_len + q] probabilities -> [batch, heads, q, c_mem_len + mem_len +
-        segment_length]: the compressed-memory slots (newest last), the memory slots (newest last), then the
-        positions of the current segment; slots not held yet are zero. Every chunk of a call lands in the same
-        layout, so the layers' attentions concatenate over the whole input."""
-        config = self.config
-        c_len, m_len, _ = state.lengths()
-        compressed, memory, segment = weights.split([c_len, m_len, weights.shape[-1] - c_len - m_len], dim=-1)
-        layout = weights.new_zeros(*weights.shape[:-1], config.c_mem_len + config.mem_len + config.segment_length)
-        layout[..., config.c_mem_len - c_len : config.c_mem_len] = compressed
-        memory_end = config.c_mem_len + config.mem_len
-        layout[..., memory_end - m_len : memory_end] = memory
-        layout[..., memory_end : memory_end + segment.shape[-1]] = segment
-        return layout
-
-    def _store_chunk(self, state, inputs, valid, weights) -> None:
-        """Append the chunk's layer inputs to the pending segment (and its keys/values when reusing projections);
-        accumulate attention received per slot for the most-used compression."""
-        if weights is not None:
-            # [batch, heads, q, K] -> attention received by each key slot from the chunk's real tokens
-            received = (weights.detach().float() * valid[:, None, :, None]).sum(dim=(1, 2))
-            c_len, m_len, p_len = state.lengths()
-            state.mem_usage = state.mem_usage + received[:, c_len : c_len + m_len]
-            pending_usage = state.pending_usage + received[:, c_len + m_len : c_len + m_len + p_len]
-            state.pending_usage = torch.cat([pending_usage, received[:, c_len + m_len + p_len :]], dim=1)
-        state.pending = torch.cat([state.pending, inputs], dim=1)
-        state.pending_valid = torch.cat([state.pending_valid, valid], dim=1)
-        if state.keys is not None:
-            state.projected_len += inputs.shape[1]  # the layer already wrote the chunk's keys/values in place
-
     def _update_memory(self, layer, state, projections=None) -> torch.Tensor | None:
-        """The schedule after a complete segment: mem = cat(mem, segment); evict the oldest
-        ceil((len - mem_len) / c) * c into f_c; c_mem keeps its newest c_mem_len entries.
-        `projections` (segment queries, keys/values of [c_mem, mem, segment]) lets the reconstruction loss reuse
-        what the layer already computed."""
+        """The schedule after a complete segment: the cache layer hands back what the segment pushed out of its
+        memory; the layer's f_c compresses it (training f_c by the reconstruction loss, returned) and the entries go
+        back to the cache (dropped when c_mem_len = 0). `projections` (segment queries, keys/values of [c_mem,
+        mem, segment]) lets the reconstruction loss reuse what the layer already computed."""
         config = self.config
-        rate = self.eviction_unit
-        c_len, m_len, _ = state.lengths()
-        segment, segment_valid = state.pending, state.pending_valid
-        memory = torch.cat([state.mem, segment], dim=1)
-        memory_valid = torch.cat([state.mem_valid, segment_valid], dim=1)
-        usage = torch.cat([state.mem_usage, state.pending_usage], dim=1) if self.track_usage else None
-        keys = values = None
-        if state.keys is not None:
-            all_keys, all_values = state.projected()
-            keys, values = all_keys[:, :, c_len:], all_values[:, :, c_len:]  # of [mem, segment]
-        overflow = memory.shape[1] - config.mem_len
-        n_evict = -(-overflow // rate) * rate if overflow > 0 else 0
+        eviction = state.complete_segment(config.mem_len, self.eviction_unit)
+        if eviction is None or not self.compresses:
+            if eviction is not None:
+                state.store_compressed(eviction)  # Transformer-XL: the evicted memories are dropped
+            return None
+        train_compression = self.training and torch.is_grad_enabled() and config.reconstruction_loss != "none"
+        with torch.set_grad_enabled(train_compression):
+            compressed, compressed_valid = layer.compress_memory(eviction.memories, eviction.valid, eviction.usage)
         loss = None
-        if n_evict > 0 and not self.compresses:  # Transformer-XL: the evicted memories are dropped
-            memory, memory_valid = memory[:, n_evict:], memory_valid[:, n_evict:]
-            if keys is not None:
-                state.store_projected(keys[:, :, n_evict:], values[:, :, n_evict:], self._capacity)
-        elif n_evict > 0:
-            evicted, evicted_valid = memory[:, :n_evict], memory_valid[:, :n_evict]
-            train_compression = self.training and torch.is_grad_enabled() and config.reconstruction_loss != "none"
-            with torch.set_grad_enabled(train_compression):
-                compressed, compressed_valid = layer.compress_memory(
-                    evicted, evicted_valid, None if usage is None else usage[:, :n_evict]
-                )
-            if train_compression:
-                if config.reconstruction_loss == "attention":
-                    reused = None
-                    if projections is not None:
-                        query, all_keys, all_values = projections  # evicted = first n_evict after c_mem
-                        evicted_kv = slice(c_len, c_len + n_evict)
-                        reused = (query, all_keys[:, :, evicted_kv], all_values[:, :, evicted_kv])
-                    loss = layer.attention_reconstruction_loss(
-                        segment, segment_valid, evicted, evicted_valid, compressed, compressed_valid, reused
-                    )
-                else:
-                    loss = layer.autoencoding_loss(evicted, evicted_valid, compressed)
-            compressed = compressed.detach()
-            state.c_mem = torch.cat([state.c_mem, compressed], dim=1)[:, -config.c_mem_len :]
-            state.c_mem_valid = torch.cat([state.c_mem_valid, compressed_valid], dim=1)[:, -config.c_mem_len :]
-            memory, memory_valid = memory[:, n_evict:], memory_valid[:, n_evict:]
-            if usage is not None:
-                usage = usage[:, n_evict:]
-            if keys is not None:
-                c_keys, c_values = layer.project_memory(compressed)
-                keys, values = keys[:, :, n_evict:], values[:, :, n_evict:]
-                c_keys = torch.cat([all_keys[:, :, :c_len], c_keys], dim=2)[:, :, -config.c_mem_len :]
-                c_values = torch.cat([all_values[:, :, :c_len], c_values], dim=2)[:, :, -config.c_mem_len :]
-                keys, values = torch.cat([c_keys, keys], dim=2), torch.cat([c_values, values], dim=2)
-                state.store_projected(keys, values, self._capacity)
-        # without an eviction the buffers already read [c_mem, mem + segment]: nothing to move
-        state.mem, state.mem_valid = memory, memory_valid
-        state.pending, state.pending_valid = segment[:, :0], segment_valid[:, :0]
-        if usage is not None:
-            state.mem_usage, state.pending_usage = usage, usage[:, :0]
+        if train_compression:
+            loss = self._reconstruction_loss(layer, eviction, compressed, compressed_valid, projections)
+        state.store_compressed(eviction, compressed.detach(), compressed_valid, config.c_mem_len, layer.project_memory)
         return loss
+
+    def _reconstruction_loss(self, layer, eviction, compressed, compressed_valid, projections) -> torch.Tensor:
+        """The loss that trains f_c on one eviction: attention reconstruction (reusing the segment's queries and
+        the evicted keys/values when the layer computed them) or auto-encoding."""
+        if self.config.reconstruction_loss != "attention":
+            return layer.autoencoding_loss(eviction.memories, eviction.valid, compressed)
+        reused = None
+        if projections is not None:
+            query, all_keys, all_values = projections  # evicted = the first memories after c_mem
+            evicted_kv = slice(eviction.c_len, eviction.c_len + eviction.memories.shape[1])
+            reused = (query, all_keys[:, :, evicted_kv], all_values[:, :, evicted_kv])
+        return layer.attention_reconstruction_loss(
+            eviction.segment,
+            eviction.segment_valid,
+            eviction.memories,
+            eviction.valid,
+            compressed,
+            compressed_valid,
+            reused,
+        )
+
+
+def _concatenate_steps(steps, output_hidden_states: bool, output_attentions: bool):
+    """Decoding steps' (output [batch, 1, hidden], each layer's outputs, each layer's attention maps) -> the
+    `_run_layers` result over all of them (no reconstruction loss: decoding trains nothing)."""
+    outputs = torch.cat([out for out, _, _ in steps], dim=1)
+    hidden = [torch.cat(layer, dim=1) for layer in zip(*(h for _, h, _ in steps))] if output_hidden_states else []
+    maps = [torch.cat(layer, dim=2) for layer in zip(*(m for _, _, m in steps))] if output_attentions else None
+    return outputs, hidden, maps, []
 
 
 class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
