@@ -178,8 +178,9 @@ class StaticLayout:
 
     @property
     def max_new_entries(self) -> int:
-        # an eviction takes at most ceil(segment_length / rate) * rate tokens (the memory never exceeds mem_len)
-        return -(-self.segment_length // self.rate)
+        # an eviction takes at most ceil(segment_length / rate) * rate tokens (the memory never exceeds mem_len);
+        # with c_mem_len = 0 (Transformer-XL) nothing is compressed and there are no compressed slots at all
+        return -(-self.segment_length // self.rate) if self.c_mem_len else 0
 
     @property
     def ring(self) -> int:

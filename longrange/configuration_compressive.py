@@ -37,8 +37,11 @@ class CompressiveConfig(PreTrainedConfig):
         pad_token_id / bos_token_id / eos_token_id (`int`, optional): special token ids.
         segment_length (`int`, defaults to 512): tokens per segment; longer inputs are processed segment by
             segment, and memories are updated after each complete segment.
-        mem_len (`int`, defaults to 512): most (uncompressed) memories kept per layer; at least `compression_rate`.
-        c_mem_len (`int`, defaults to 128): most compressed memories kept per layer.
+        mem_len (`int`, defaults to 512): most (uncompressed) memories kept per layer; at least `compression_rate`
+            when memories are compressed (`c_mem_len` > 0).
+        c_mem_len (`int`, defaults to 128): most compressed memories kept per layer. 0 is Transformer-XL: evicted
+            memories are dropped, one at a time (the memory keeps exactly the newest `mem_len`), nothing is
+            compressed and there is no reconstruction loss; the `f_c` weights still exist, unused.
         compression_rate (`int`, defaults to 4): `c`: evicted memories are compressed `c` to 1.
         compression_function (`str`, defaults to `"conv1d"`): `f_c`, one per layer: `"conv1d"` (kernel = stride
             = c), `"max_pool"`, `"mean_pool"`, `"dilated_conv"` (kernel c, dilation 2, stride c) or `"most_used"`
@@ -136,13 +139,14 @@ class CompressiveConfig(PreTrainedConfig):
 
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             positive_int(name)
-        for name in ("segment_length", "mem_len", "c_mem_len", "compression_rate", "pkm_num_keys", "pkm_heads"):
+        for name in ("segment_length", "mem_len", "compression_rate", "pkm_num_keys", "pkm_heads"):
             positive_int(name)
+        positive_int("c_mem_len", minimum=0)  # 0: Transformer-XL
         positive_int("pkm_topk")
-        if self.mem_len < self.compression_rate:
+        if self.c_mem_len > 0 and self.mem_len < self.compression_rate:
             raise ValueError(
-                f"mem_len ({self.mem_len}) must be >= compression_rate ({self.compression_rate}): evictions come in "
-                "whole groups of compression_rate memories"
+                f"mem_len ({self.mem_len}) must be >= compression_rate ({self.compression_rate}) when c_mem_len > 0: "
+                "evictions come in whole groups of compression_rate memories"
             )
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(

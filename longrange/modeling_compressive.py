@@ -621,7 +621,10 @@ class CompressiveModel(CompressivePreTrainedModel):
         # pre-LN needs a final norm; post-LN outputs are already normalised
         pre = config.layer_norm_position == "pre"
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else nn.Identity()
-        self.track_usage = config.compression_function == "most_used"
+        # c_mem_len = 0 is Transformer-XL: evicted memories are dropped one by one, never compressed
+        self.compresses = config.c_mem_len > 0
+        self.eviction_unit = config.compression_rate if self.compresses else 1  # evictions take whole groups of it
+        self.track_usage = config.compression_function == "most_used" and self.compresses
         # most key slots any chunk can see: a full compressed memory, a full memory and a whole segment
         self._capacity = config.c_mem_len + config.mem_len + config.segment_length
         self.gradient_checkpointing = False
@@ -906,8 +909,8 @@ class CompressiveModel(CompressivePreTrainedModel):
             config.c_mem_len,
             config.mem_len,
             config.segment_length,
-            config.compression_rate,
-            grouped=not self.track_usage,
+            self.eviction_unit,
+            grouped=self.compresses and not self.track_usage,
             margin=cache.crop_margin,
         )
         cache._layout = layout
@@ -922,7 +925,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             return torch.full((batch,), value, dtype=torch.long, device=device)
 
         # tokens numbered from rate * c_len (start = rate * compressed always; see StaticLayout)
-        first = self.config.compression_rate * c_len
+        first = self.eviction_unit * c_len
         cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
         cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
         cache._host_rows = [[first + held, first, p_len, c_len] for _ in range(batch)]
@@ -1018,7 +1021,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         write selected per row (no branch on values, no host read). `tokens_real`: the caller knows every token is
         real (no attention mask); eager steps then follow the rows' fills on the host (`_host_rows`) and skip the
         group compression and the eviction copies on the steps where no row needs them."""
-        layout, rate, segment = cache._layout, self.config.compression_rate, self.config.segment_length
+        layout, rate, segment = cache._layout, self.eviction_unit, self.config.segment_length
         device = hidden_states.device
         seen, start = cache.rows_seen, cache.rows_start
         pending, compressed = cache.rows_pending, cache.rows_compressed
@@ -1043,7 +1046,7 @@ class CompressiveModel(CompressivePreTrainedModel):
             memory_len = seen + 1 - start - segment  # before the update, for completing rows
             overflow = (memory_len + segment - layout.mem_len).clamp_min(0)
             evicted = torch.where(completes, -(-overflow // rate) * rate, 0)
-            new_entries = evicted // rate
+            new_entries = evicted // rate if self.compresses else torch.zeros_like(evicted)
             entry_index = torch.arange(layout.max_new_entries, device=device)
             targets = (compressed[:, None] + entry_index) % layout.c_ring  # [batch, max_new_entries]
             takes = entry_index < new_entries[:, None]
@@ -1100,7 +1103,7 @@ class CompressiveModel(CompressivePreTrainedModel):
                     ]  # fmt: skip
                 for buffer, values in zip(buffers, entries):
                     write_slots(buffer, targets, takes, values)
-            else:  # most used: the chosen tokens are copied into the compressed slots
+            elif self.track_usage:  # most used: the chosen tokens are copied into the compressed slots
                 received = weights.float().sum(dim=(1, 2)) * token_valid[:, None]  # [batch, slots]
                 state.ring_usage.scatter_(1, write[:, None], 0.0).add_(received)
                 if segments_complete:
@@ -1167,7 +1170,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         seen, start, pending, compressed = row
         if pending + 1 < self.config.segment_length:
             return [seen + 1, start, pending + 1, compressed]
-        rate = self.config.compression_rate
+        rate = self.eviction_unit
         overflow = max(0, seen + 1 - start - self.config.mem_len)  # memory + segment beyond mem_len
         evicted = -(-overflow // rate) * rate
         return [seen + 1, start + evicted, 0, compressed + evicted // rate]
@@ -1300,7 +1303,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         `projections` (segment queries, keys/values of [c_mem, mem, segment]) lets the reconstruction loss reuse
         what the layer already computed."""
         config = self.config
-        rate = config.compression_rate
+        rate = self.eviction_unit
         c_len, m_len, _ = state.lengths()
         segment, segment_valid = state.pending, state.pending_valid
         memory = torch.cat([state.mem, segment], dim=1)
@@ -1313,7 +1316,11 @@ class CompressiveModel(CompressivePreTrainedModel):
         overflow = memory.shape[1] - config.mem_len
         n_evict = -(-overflow // rate) * rate if overflow > 0 else 0
         loss = None
-        if n_evict > 0:
+        if n_evict > 0 and not self.compresses:  # Transformer-XL: the evicted memories are dropped
+            memory, memory_valid = memory[:, n_evict:], memory_valid[:, n_evict:]
+            if keys is not None:
+                state.store_projected(keys[:, :, n_evict:], values[:, :, n_evict:], self._capacity)
+        elif n_evict > 0:
             evicted, evicted_valid = memory[:, :n_evict], memory_valid[:, :n_evict]
             train_compression = self.training and torch.is_grad_enabled() and config.reconstruction_loss != "none"
             with torch.set_grad_enabled(train_compression):
@@ -1376,7 +1383,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
             margin = 0
             assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
-            if assisted and self.config.compression_function != "most_used":
+            if assisted and not self.model.track_usage:
                 margin = max(64, 2 * self.config.segment_length, (generation_config.max_new_tokens or 0) + 1)
             model_kwargs[CACHE_NAME] = CompressiveMemoryCache(self.config.num_hidden_layers, crop_margin=margin)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)

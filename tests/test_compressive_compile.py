@@ -18,6 +18,7 @@ OPTIONS = [
     dict(),
     dict(compression_function="most_used", reconstruction_loss="none"),
     dict(reconstruction_loss="autoencoding", layer_norm_position="post"),
+    dict(c_mem_len=0, mem_len=3),  # Transformer-XL: evicted memories dropped one by one
 ]
 
 

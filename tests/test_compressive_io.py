@@ -32,7 +32,7 @@ def test_seed_names_are_aliases():
         (dict(hidden_size=30, num_attention_heads=4), "hidden_size"),
         (dict(segment_length=0), "segment_length"),
         (dict(mem_len=-1), "mem_len"),
-        (dict(c_mem_len=0), "c_mem_len"),
+        (dict(c_mem_len=-1), "c_mem_len"),  # 0 is Transformer-XL (tests/test_compressive_txl.py)
         (dict(compression_rate=0), "compression_rate"),
         (dict(mem_len=2, compression_rate=4), "mem_len"),
         (dict(compression_function="max_pool"), "reconstruction_loss"),  # nothing to train with it

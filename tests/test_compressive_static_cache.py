@@ -24,7 +24,7 @@ from tests.dispatch_utils import (
 )
 
 # tiny_model: segment 4, memory 6, compressed memory 3, rate 2: 19 tokens fill both memories (4 segments)
-OPTIONS = COMPRESSIONS + [dict(layer_norm_position="post")]
+OPTIONS = COMPRESSIONS + [dict(layer_norm_position="post"), dict(c_mem_len=0, mem_len=5)]  # the last: Transformer-XL
 
 
 @pytest.fixture(autouse=True)
@@ -191,7 +191,9 @@ def test_generate_compiles_decoding_on_the_cpu_when_asked_and_equals_eager_and_u
         )
 
 
-@pytest.mark.parametrize("options", COMPRESSIONS[:-1] + [dict(layer_norm_position="post")])  # all but most_used
+@pytest.mark.parametrize(
+    "options", COMPRESSIONS[:-1] + [dict(layer_norm_position="post"), dict(c_mem_len=0, mem_len=5)]
+)  # all but most_used
 def test_crop_restores_the_cache_of_the_first_tokens(options):
     """After crop(-k) the next logits equal those of a cache built from the kept tokens alone, whether the removed
     tokens came in one call or one at a time, and across segment completions (evictions, compressions)."""

@@ -91,8 +91,8 @@ def test_overrides_the_model_cannot_take_are_refused(tmp_path):
     save_tiny(tmp_path / "compressive")
     text = tmp_path / "doc.txt"
     text.write_bytes(b"some text to score " * 8)
-    with pytest.raises(ValueError, match="c_mem_len must be an integer >= 1"):  # the config's own validation
-        evaluate.main([str(tmp_path / "compressive"), str(text), "--c_mem_len", "0"])
+    with pytest.raises(ValueError, match="c_mem_len must be an integer >= 0"):  # the config's own validation
+        evaluate.main([str(tmp_path / "compressive"), str(text), "--c_mem_len", "-1"])
     with pytest.raises(ValueError, match="mem_len .* must be >= compression_rate"):
         evaluate.main([str(tmp_path / "compressive"), str(text), "--mem_len", "1"])
     save_tiny(tmp_path / "sinkhorn", kind="sinkhorn")
