@@ -28,8 +28,8 @@ Configurations (M = --mem, C = --c-mem, r = --rate, S = --segment; span = tokens
 slots = keys it attends beside its own segment):
   compressive   mem_len M, c_mem_len C, conv1d, attention reconstruction: slots M + C, span M + C r
   txl           Transformer-XL: mem_len 2M ("mem_len doubled"), c_mem_len 0 (evicted memories are dropped, nothing
-                is compressed, no reconstruction loss): slots 2M, span 2M. With C r = M (the default) 2M is the
-                compressive span.
+                is compressed, no reconstruction loss; mean_pool, so that no unused f_c weights are counted):
+                slots 2M, span 2M. With C r = M (the default) 2M is the compressive span.
   none          the compressive config, trained and evaluated with every segment alone (`train.py
                 --segments_alone`: each window's segments are separate rows, so the same tokens per step, from an
                 empty memory): no memory at all. (mem_len 0 is refused by the config: mem_len >= compression_rate.)
@@ -131,7 +131,7 @@ def configurations(size: dict, names) -> dict[str, dict]:
             entry = dict(group="main", slots=m + c, span=m + c * r,
                          description=f"memory {m} + compressed memory {c} (rate {r}, conv1d, attention loss)")  # fmt: skip
         elif name == "txl":
-            fields = {"mem_len": 2 * m, "c_mem_len": 0, "compression_rate": r, "compression_function": "conv1d",
+            fields = {"mem_len": 2 * m, "c_mem_len": 0, "compression_rate": r, "compression_function": "mean_pool",
                       "reconstruction_loss": "none"}  # fmt: skip
             entry = dict(group="main", slots=2 * m, span=2 * m, plain_memory=True,
                          description=f"Transformer-XL: memory {2 * m} (doubled), no compressed memory")  # fmt: skip
