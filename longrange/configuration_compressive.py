@@ -54,8 +54,10 @@ class CompressiveConfig(PreTrainedConfig):
         pad_token_id / bos_token_id / eos_token_id (`int`, optional): special token ids.
         segment_length (`int`, defaults to 512): tokens per segment; longer inputs are processed segment by
             segment, and memories are updated after each complete segment.
-        mem_len (`int`, defaults to 512): most (uncompressed) memories kept per layer; at least `compression_rate`.
-        c_mem_len (`int`, defaults to 128): most compressed memories kept per layer.
+        mem_len (`int`, defaults to 512): most (uncompressed) memories kept per layer; at least `compression_rate`
+            when `c_mem_len` > 0.
+        c_mem_len (`int`, defaults to 128): most compressed memories kept per layer. 0 = no compressed memory: the
+            model is a Transformer-XL (memories older than `mem_len` are dropped, not compressed).
         compression_rate (`int`, defaults to 4): `c`: evicted memories are compressed `c` to 1.
         compression_function (`str`, defaults to `"conv1d"`): `f_c`, one per layer: `"conv1d"` (kernel = stride
             = c), `"max_pool"`, `"mean_pool"`, `"dilated_conv"` (kernel c, dilation 2, stride c) or `"most_used"`
@@ -134,7 +136,8 @@ class CompressiveConfig(PreTrainedConfig):
 # what each field accepts, checked in this order
 FIELD_RULES = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"), integer(1)),
-    **dict.fromkeys(("intermediate_size", "segment_length", "mem_len", "c_mem_len", "compression_rate"), integer(1)),
+    **dict.fromkeys(("intermediate_size", "segment_length", "mem_len", "compression_rate"), integer(1)),
+    "c_mem_len": integer(0),  # 0: Transformer-XL
     **dict.fromkeys(("pkm_num_keys", "pkm_heads", "pkm_topk"), integer(1)),
     "hidden_dropout": probability(),
     "attention_dropout": probability(),
@@ -160,7 +163,7 @@ def _is_layer_number(layer, num_hidden_layers: int) -> bool:
 # settings that only work together (checked once every field holds a value of its kind)
 REQUIREMENTS = (
     Requirement(
-        lambda c: c.mem_len < c.compression_rate,
+        lambda c: c.c_mem_len > 0 and c.mem_len < c.compression_rate,
         "mem_len ({c.mem_len}) must be >= compression_rate ({c.compression_rate}): evictions come in whole groups "
         "of compression_rate memories",
     ),
