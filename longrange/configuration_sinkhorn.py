@@ -1,7 +1,9 @@
 """Configuration of the Sinkhorn Transformer (Tay et al. 2020, "Sparse Sinkhorn Attention").
 
 Every option of the sinkhorn-transformer package is available under its own name: the transformers names are the
-canonical fields and the package's names (`num_tokens`, `dim`, `depth`, `heads`, `max_seq_len`) are aliases.
+canonical fields and the package's names (`num_tokens`, `dim`, `depth`, `heads`, `max_seq_len`) are aliases. A
+config validates itself when built or loaded, against the two tables at the end of this file (what each field
+accepts, which settings work together), so the models can trust it.
 """
 
 from __future__ import annotations
@@ -331,7 +333,7 @@ FIELD_RULES = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"), _POSITIVE),
     **dict.fromkeys(("max_position_embeddings", "bucket_size", "n_top_buckets", "ff_chunks"), _POSITIVE),
     **dict.fromkeys(("sinkhorn_iter", "pkm_num_keys", "pkm_topk", "pkm_heads"), _POSITIVE),
-    # None: derived from other fields (see the properties above)
+    # None: a default derived from other fields (the properties above; pkm_dim_key: hidden_size // 2)
     **dict.fromkeys(("dim_head", "intermediate_size", "emb_dim", "context_bucket_size"), optional(_POSITIVE)),
     "pkm_dim_key": optional(_POSITIVE),
     **dict.fromkeys(("n_sortcut", "context_n_sortcut", "n_local_attn_heads"), integer(0)),
