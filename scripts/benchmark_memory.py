@@ -672,7 +672,8 @@ def main(argv=None) -> dict:
     print()
     print(tables(report))
     plot(report, args.plot)
-    print(f"\nwrote {args.json} and {args.plot} ({report['total_seconds'] / 60:.1f} minutes)")
+    seconds = report["updates"][-1]["seconds"] if args.update else report["total_seconds"]
+    print(f"\nwrote {args.json} and {args.plot} ({seconds / 60:.1f} minutes)")
     return report
 
 
