@@ -1,15 +1,32 @@
 """Configuration of the Compressive Transformer (Rae et al. 2019).
 
-Every field is documented below and validated in `__post_init__`; a bad value raises `ValueError` naming the field
-and what is allowed, so the model itself can trust its config. The annotated seed's option names (`d_model`,
-`n_layers`, `heads`, `d_ff`, `dropout_prob`) are accepted as aliases of the transformers names.
+Every field is documented below and validated in `__post_init__` against the two tables at the end of this file
+(what each field accepts, which settings work together); a bad value raises `ValueError` naming the field and what
+is allowed, so the model itself can trust its config. The annotated seed's option names (`d_model`, `n_layers`,
+`heads`, `d_ff`, `dropout_prob`) are accepted as aliases of the transformers names.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-from .configuration_checks import warn_near_misses
+from .configuration_checks import (
+    BOOLEAN,
+    PKM_TOPK_FITS,
+    TOKEN_ID,
+    TOKEN_IDS,
+    Requirement,
+    check_fields,
+    check_requirements,
+    integer,
+    non_negative_number,
+    one_of,
+    positive_number,
+    probability,
+    refuse_other_model_type,
+    resolve_pkm_topk,
+    warn_near_misses,
+)
 
 COMPRESSION_FUNCTIONS = ("conv1d", "max_pool", "mean_pool", "dilated_conv", "most_used")
 # compression functions with parameters: only these can be trained by a reconstruction loss
@@ -38,10 +55,9 @@ class CompressiveConfig(PreTrainedConfig):
         segment_length (`int`, defaults to 512): tokens per segment; longer inputs are processed segment by
             segment, and memories are updated after each complete segment.
         mem_len (`int`, defaults to 512): most (uncompressed) memories kept per layer; at least `compression_rate`
-            when memories are compressed (`c_mem_len` > 0).
-        c_mem_len (`int`, defaults to 128): most compressed memories kept per layer. 0 is Transformer-XL: evicted
-            memories are dropped, one at a time (the memory keeps exactly the newest `mem_len`), nothing is
-            compressed and there is no reconstruction loss; the `f_c` weights still exist, unused.
+            when `c_mem_len` > 0.
+        c_mem_len (`int`, defaults to 128): most compressed memories kept per layer. 0 = no compressed memory: the
+            model is a Transformer-XL (memories older than `mem_len` are dropped, not compressed).
         compression_rate (`int`, defaults to 4): `c`: evicted memories are compressed `c` to 1.
         compression_function (`str`, defaults to `"conv1d"`): `f_c`, one per layer: `"conv1d"` (kernel = stride
             = c), `"max_pool"`, `"mean_pool"`, `"dilated_conv"` (kernel c, dilation 2, stride c) or `"most_used"`
@@ -106,97 +122,76 @@ class CompressiveConfig(PreTrainedConfig):
         warn_near_misses(sorted(k for k in kwargs if k not in fields), fields, type(self).__name__)
         super().__post_init__(**kwargs)  # applies seed aliases passed as keyword arguments
         self.pkm_layers = list(self.pkm_layers)
-        if self.pkm_topk is None and isinstance(self.pkm_num_keys, int):  # a bad pkm_num_keys is refused below
-            self.pkm_topk = min(32, self.pkm_num_keys)
-        self._validate()
+        resolve_pkm_topk(self)
+        check_fields(self, FIELD_RULES)
+        check_requirements(self, REQUIREMENTS)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """Rebuild a saved config; see "Saved configs" in the class docstring."""
-        found = config_dict.get("model_type") if isinstance(config_dict, dict) else None
-        if found is not None and found != cls.model_type:
-            raise ValueError(
-                f"{cls.__name__}: this config is for model_type {found!r}, not {cls.model_type!r}; load the folder "
-                "with the class of its own type (AutoModelForCausalLM / AutoConfig pick it from config.json's "
-                "model_type)"
-            )
+        refuse_other_model_type(cls, config_dict)
         return super().from_dict(config_dict, **kwargs)
 
-    def _validate(self) -> None:
-        def positive_int(name: str, minimum: int = 1) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
-        def probability(name: str) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+# what each field accepts, checked in this order
+FIELD_RULES = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"), integer(1)),
+    **dict.fromkeys(("intermediate_size", "segment_length", "mem_len", "compression_rate"), integer(1)),
+    "c_mem_len": integer(0),  # 0: Transformer-XL
+    **dict.fromkeys(("pkm_num_keys", "pkm_heads", "pkm_topk"), integer(1)),
+    "hidden_dropout": probability(),
+    "attention_dropout": probability(),
+    "layer_norm_eps": positive_number(),
+    "initializer_range": positive_number(),
+    "reconstruction_loss_weight": non_negative_number(),
+    "compression_function": one_of(COMPRESSION_FUNCTIONS),
+    "reconstruction_loss": one_of(RECONSTRUCTION_LOSSES),
+    "layer_norm_position": one_of(LAYER_NORM_POSITIONS),
+    "tie_word_embeddings": BOOLEAN,
+    "use_cache": BOOLEAN,
+    "eos_token_id": TOKEN_IDS,
+    "pad_token_id": TOKEN_ID,
+    "bos_token_id": TOKEN_ID,
+}
 
-        def choice(name: str, allowed: tuple[str, ...]) -> None:
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-            positive_int(name)
-        for name in ("segment_length", "mem_len", "compression_rate", "pkm_num_keys", "pkm_heads"):
-            positive_int(name)
-        positive_int("c_mem_len", minimum=0)  # 0: Transformer-XL
-        positive_int("pkm_topk")
-        if self.c_mem_len > 0 and self.mem_len < self.compression_rate:
-            raise ValueError(
-                f"mem_len ({self.mem_len}) must be >= compression_rate ({self.compression_rate}) when c_mem_len > 0: "
-                "evictions come in whole groups of compression_rate memories"
-            )
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-        if self.hidden_size % 2 != 0:
-            raise ValueError(f"hidden_size must be even (sinusoidal relative encodings), got {self.hidden_size}")
-        probability("hidden_dropout")
-        probability("attention_dropout")
-        for name in ("layer_norm_eps", "initializer_range"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a positive float, got {value!r}")
-        value = self.reconstruction_loss_weight
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"reconstruction_loss_weight must be a float >= 0, got {value!r}")
-        choice("compression_function", COMPRESSION_FUNCTIONS)
-        choice("reconstruction_loss", RECONSTRUCTION_LOSSES)
-        choice("layer_norm_position", LAYER_NORM_POSITIONS)
-        if self.reconstruction_loss != "none" and self.compression_function not in TRAINABLE_COMPRESSION_FUNCTIONS:
-            raise ValueError(
-                f"reconstruction_loss={self.reconstruction_loss!r} needs a compression_function with parameters "
-                f"{TRAINABLE_COMPRESSION_FUNCTIONS}; compression_function={self.compression_function!r} has none, "
-                "so use reconstruction_loss='none'"
-            )
-        for layer in self.pkm_layers:
-            if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= self.num_hidden_layers:
-                raise ValueError(
-                    f"pkm_layers entries must be layer numbers in 1..num_hidden_layers ({self.num_hidden_layers}), "
-                    f"got {self.pkm_layers!r}"
-                )
-        if len(set(self.pkm_layers)) != len(self.pkm_layers):
-            raise ValueError(f"pkm_layers must not repeat a layer, got {self.pkm_layers!r}")
-        if self.pkm_topk > self.pkm_num_keys:
-            raise ValueError(
-                f"pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys}): a head selects "
-                "pkm_topk of the pkm_num_keys sub-keys of each half (leave pkm_topk unset for min(32, pkm_num_keys))"
-            )
-        for name in ("tie_word_embeddings", "use_cache"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        eos = self.eos_token_id
-        eos_ids = eos if isinstance(eos, (list, tuple)) else [eos]
-        if eos is not None and any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in eos_ids):
-            raise ValueError(f"eos_token_id must be None, a token id >= 0 or a list of them, got {eos!r}")
-        for name in ("pad_token_id", "bos_token_id"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None or a token id >= 0, got {value!r}")
+def _is_layer_number(layer, num_hidden_layers: int) -> bool:
+    """Layers are counted from 1, as in the seeds."""
+    return isinstance(layer, int) and not isinstance(layer, bool) and 1 <= layer <= num_hidden_layers
+
+
+# settings that only work together (checked once every field holds a value of its kind)
+REQUIREMENTS = (
+    Requirement(
+        lambda c: c.c_mem_len > 0 and c.mem_len < c.compression_rate,
+        "mem_len ({c.mem_len}) must be >= compression_rate ({c.compression_rate}): evictions come in whole groups "
+        "of compression_rate memories",
+    ),
+    Requirement(
+        lambda c: c.hidden_size % c.num_attention_heads != 0,
+        "hidden_size ({c.hidden_size}) must be divisible by num_attention_heads ({c.num_attention_heads})",
+    ),
+    Requirement(
+        lambda c: c.hidden_size % 2 != 0,
+        "hidden_size must be even (sinusoidal relative encodings), got {c.hidden_size}",
+    ),
+    Requirement(
+        lambda c: c.reconstruction_loss != "none" and c.compression_function not in TRAINABLE_COMPRESSION_FUNCTIONS,
+        "reconstruction_loss={c.reconstruction_loss!r} needs a compression_function with parameters "
+        + str(TRAINABLE_COMPRESSION_FUNCTIONS)
+        + "; compression_function={c.compression_function!r} has none, so use reconstruction_loss='none'",
+    ),
+    Requirement(
+        lambda c: not all(_is_layer_number(layer, c.num_hidden_layers) for layer in c.pkm_layers),
+        "pkm_layers entries must be layer numbers in 1..num_hidden_layers ({c.num_hidden_layers}), "
+        "got {c.pkm_layers!r}",
+    ),
+    Requirement(
+        lambda c: len(set(c.pkm_layers)) != len(c.pkm_layers),
+        "pkm_layers must not repeat a layer, got {c.pkm_layers!r}",
+    ),
+    PKM_TOPK_FITS,
+)
 
 
 __all__ = ["CompressiveConfig"]

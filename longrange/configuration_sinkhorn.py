@@ -1,7 +1,9 @@
 """Configuration of the Sinkhorn Transformer (Tay et al. 2020, "Sparse Sinkhorn Attention").
 
 Every option of the sinkhorn-transformer package is available under its own name: the transformers names are the
-canonical fields and the package's names (`num_tokens`, `dim`, `depth`, `heads`, `max_seq_len`) are aliases.
+canonical fields and the package's names (`num_tokens`, `dim`, `depth`, `heads`, `max_seq_len`) are aliases. A
+config validates itself when built or loaded, against the two tables at the end of this file (what each field
+accepts, which settings work together), so the models can trust it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,20 @@ import math
 
 from transformers import PreTrainedConfig
 
-from .configuration_checks import warn_near_misses
+from .configuration_checks import (
+    PKM_TOPK_FITS,
+    Requirement,
+    check_fields,
+    check_requirements,
+    integer,
+    one_of,
+    optional,
+    positive_number,
+    probability,
+    refuse_other_model_type,
+    resolve_pkm_topk,
+    warn_near_misses,
+)
 
 # set while `from_dict` (config.json, from_pretrained, AutoConfig) rebuilds a saved config: its keys that are not
 # options are attributes a user or a tool set before saving, kept as they are; a constructor call refuses them
@@ -247,44 +262,30 @@ class SinkhornConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        fields = set(self.__dataclass_fields__)
-        unknown = sorted(
-            k
-            for k in kwargs
-            if k not in fields
-            and k not in self.attribute_map
-            and k not in _GENERIC_KEYS
-            and k not in self.keyword_aliases
-        )
-        if unknown and not _REBUILDING_SAVED.get():
-            raise ValueError(f"SinkhornConfig: unknown option(s) {unknown}")
-        warn_near_misses(unknown, [*fields, *self.attribute_map], type(self).__name__)
+        _check_keywords(type(self), kwargs)
         # the seed's `temperature`: a generation parameter name, which PreTrainedConfig would drop, and which as an
         # attribute would change sampling in generate(); stored as sort_temperature
         if "temperature" in kwargs:
             self.sort_temperature = kwargs.pop("temperature")
         super().__post_init__(**kwargs)
         self.pkm_layers = [int(i) for i in self.pkm_layers]
-        if self.pkm_topk is None and isinstance(self.pkm_num_keys, int):  # a bad pkm_num_keys is refused below
-            self.pkm_topk = min(32, self.pkm_num_keys)
+        resolve_pkm_topk(self)
         self.validate_sinkhorn()
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """Rebuild a saved config (config.json, `from_pretrained`, `AutoConfig`).
-
-        Unlike a constructor call, which refuses an unknown keyword, keys that are not options are kept as
-        attributes: they are what a user or a tool set on a config before `save_pretrained` wrote it, and the folder
-        must load again (a key one or two letters away from an option is most likely a typo: a warning names the
-        option, which keeps its default). A missing field takes its default (the class attributes above): folders
-        saved by this package hold every field. A config of another model type is refused, naming both types.
-        """
-        _check_model_type(cls, config_dict)
+        """Rebuild a saved config (config.json, `from_pretrained`, `AutoConfig`); see "Unknown keywords" above."""
+        refuse_other_model_type(cls, config_dict)
         token = _REBUILDING_SAVED.set(True)
         try:
             return super().from_dict(config_dict, **kwargs)
         finally:
             _REBUILDING_SAVED.reset(token)
+
+    def validate_sinkhorn(self) -> None:
+        """Raise ValueError naming the field(s) and the allowed values for every setting that cannot work."""
+        check_fields(self, FIELD_RULES, PREFIX, also_called={"sort_temperature": "temperature"})
+        check_requirements(self, REQUIREMENTS, PREFIX)
 
     # derived sizes ---------------------------------------------------------------------------------------------
 
@@ -312,131 +313,118 @@ class SinkhornConfig(PreTrainedConfig):
     def max_buckets(self) -> int:
         return math.ceil(self.max_position_embeddings / self.bucket_size)
 
-    # validation ------------------------------------------------------------------------------------------------
 
-    def validate_sinkhorn(self) -> None:
-        """Raise ValueError naming the field(s) and the allowed values for every setting that cannot work."""
-
-        def positive(name):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SinkhornConfig: {name} must be a positive integer, got {value!r}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-            positive(name)
-        for name in ("max_position_embeddings", "bucket_size", "n_top_buckets", "ff_chunks", "sinkhorn_iter"):
-            positive(name)
-        for name in ("pkm_num_keys", "pkm_topk", "pkm_heads"):
-            positive(name)
-        for name in ("dim_head", "intermediate_size", "emb_dim", "context_bucket_size", "pkm_dim_key"):
-            if getattr(self, name) is not None:
-                positive(name)
-        for name in ("n_sortcut", "context_n_sortcut", "n_local_attn_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"SinkhornConfig: {name} must be an integer >= 0, got {value!r}")
-        for name in ("emb_dropout", "ff_dropout", "attn_dropout", "attn_layer_dropout", "layer_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"SinkhornConfig: {name} must be in [0, 1), got {value!r}")
-        if self.initializer_range is not None and not (
-            isinstance(self.initializer_range, (int, float))
-            and not isinstance(self.initializer_range, bool)
-            and self.initializer_range > 0
-        ):
-            raise ValueError(
-                f"SinkhornConfig: initializer_range must be None (PyTorch's default init) or a float > 0, "
-                f"got {self.initializer_range!r}"
-            )
-        if not self.sort_temperature > 0:
-            raise ValueError(
-                f"SinkhornConfig: sort_temperature (temperature) must be > 0, got {self.sort_temperature!r}"
-            )
-        if self.dim_head is None and self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"SinkhornConfig: hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}), or set dim_head"
-            )
-        if self.n_local_attn_heads > self.num_attention_heads:
-            raise ValueError(
-                f"SinkhornConfig: n_local_attn_heads ({self.n_local_attn_heads}) must not exceed "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
-        if self.n_sortcut > 0 and not self.non_permutative:
-            raise ValueError(
-                "SinkhornConfig: n_sortcut > 0 needs non_permutative=True: SortCut scores the key buckets against "
-                "one summary of all queries, and Sinkhorn balancing of that single row gives every bucket the same "
-                "weight, so the sort net would choose nothing"
-            )
-        if self.causal and self.n_sortcut > 0:
-            raise ValueError(
-                "SinkhornConfig: n_sortcut > 0 needs causal=False (one summary of all queries sees the future)"
-            )
-        if self.causal and self.use_simple_sort_net:
-            raise ValueError(
-                "SinkhornConfig: use_simple_sort_net=True needs causal=False (the Gumbel-Sinkhorn sort net "
-                "balances over all buckets and sees the future)"
-            )
-        if self.causal and not self.non_permutative:
-            raise ValueError(
-                "SinkhornConfig: non_permutative=False (Sinkhorn balancing) needs causal=False; "
-                "use non_permutative=True with causal=True"
-            )
-        bad = [i for i in self.pkm_layers if not 1 <= i <= self.num_hidden_layers]
-        if bad:
-            raise ValueError(
-                f"SinkhornConfig: pkm_layers are 1-based layer numbers in [1, {self.num_hidden_layers}], got {bad}"
-            )
-        if self.pkm_topk > self.pkm_num_keys:
-            raise ValueError(
-                f"SinkhornConfig: pkm_topk ({self.pkm_topk}) must not exceed pkm_num_keys ({self.pkm_num_keys}): a "
-                "head selects pkm_topk of the pkm_num_keys sub-keys of each half (leave pkm_topk unset for "
-                "min(32, pkm_num_keys))"
-            )
-        if self.norm_after_project_out and self.embedding_size == self.hidden_size:
-            raise ValueError(
-                "SinkhornConfig: norm_after_project_out=True needs emb_dim different from hidden_size "
-                "(factorised embeddings); without them there is no output projection"
-            )
-        if self.weight_routed_keys and not self.weight_routed_values:
-            raise ValueError("SinkhornConfig: weight_routed_keys=True needs weight_routed_values=True")
-        if self.sequential_routing_weights and not self.non_permutative:
-            raise ValueError("SinkhornConfig: sequential_routing_weights=True needs non_permutative=True")
-        for name, allowed in (
-            ("causal_key_summary", ("mean", "running_mean_sum")),
-            ("causal_null_score", ("learned", "zero")),
-            ("simple_sort_net_scores", ("log_relu", "relu")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"SinkhornConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.simple_sort_net_scores != "log_relu" and not self.use_simple_sort_net:
-            raise ValueError("SinkhornConfig: simple_sort_net_scores applies to use_simple_sort_net=True only")
-        reference_causal = (
-            "causal_key_summary",
-            "causal_null_score",
-            "null_bucket_copies",
-            "shifted_heads_skip_first_bucket",
-        )
-        changed = [n for n in reference_causal if getattr(self, n) != type(self).__dataclass_fields__[n].default]
-        if changed and not self.causal:
-            raise ValueError(f"SinkhornConfig: {changed} apply to causal self-attention only; set causal=True")
-        if self.route_own_bucket and self.causal:
-            raise ValueError(
-                "SinkhornConfig: route_own_bucket=True needs causal=False (a causal query bucket chooses among "
-                "strictly earlier buckets)"
-            )
-        if self.ff_chunks > 1 and self.ff_chunks > self.max_position_embeddings:
-            raise ValueError("SinkhornConfig: ff_chunks must not exceed max_position_embeddings")
+def _check_keywords(cls, kwargs) -> None:
+    """A constructor call refuses keywords that are not options, naming them (typos). A saved config being rebuilt
+    keeps them as attributes (a user or a tool set them before saving), with a warning for a likely typo."""
+    fields = set(cls.__dataclass_fields__)
+    known = fields | set(cls.attribute_map) | _GENERIC_KEYS | set(cls.keyword_aliases)
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown and not _REBUILDING_SAVED.get():
+        raise ValueError(f"SinkhornConfig: unknown option(s) {unknown}")
+    warn_near_misses(unknown, [*fields, *cls.attribute_map], cls.__name__)
 
 
-def _check_model_type(cls, config_dict) -> None:
-    """Refuse a saved config of another model type (its fields would be read as ours, or left at our defaults)."""
-    found = config_dict.get("model_type") if isinstance(config_dict, dict) else None
-    if found is not None and found != cls.model_type:
-        raise ValueError(
-            f"{cls.__name__}: this config is for model_type {found!r}, not {cls.model_type!r}; load the folder with the "
-            f"class of its own type (AutoModelForCausalLM / AutoConfig pick it from config.json's model_type)"
-        )
+# -- validation: what each field accepts, then which settings work together -------------------------------------
+
+PREFIX = "SinkhornConfig: "
+_POSITIVE = integer(1, "a positive integer")
+FIELD_RULES = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"), _POSITIVE),
+    **dict.fromkeys(("max_position_embeddings", "bucket_size", "n_top_buckets", "ff_chunks"), _POSITIVE),
+    **dict.fromkeys(("sinkhorn_iter", "pkm_num_keys", "pkm_topk", "pkm_heads"), _POSITIVE),
+    # None: a default derived from other fields (the properties above; pkm_dim_key: hidden_size // 2)
+    **dict.fromkeys(("dim_head", "intermediate_size", "emb_dim", "context_bucket_size"), optional(_POSITIVE)),
+    "pkm_dim_key": optional(_POSITIVE),
+    **dict.fromkeys(("n_sortcut", "context_n_sortcut", "n_local_attn_heads"), integer(0)),
+    **dict.fromkeys(
+        ("emb_dropout", "ff_dropout", "attn_dropout", "attn_layer_dropout", "layer_dropout"), probability("in [0, 1)")
+    ),
+    "initializer_range": optional(positive_number(), "None (PyTorch's default init) or a float > 0"),
+    "sort_temperature": positive_number("> 0"),
+    "causal_key_summary": one_of(("mean", "running_mean_sum")),
+    "causal_null_score": one_of(("learned", "zero")),
+    "simple_sort_net_scores": one_of(("log_relu", "relu")),
+}
+
+# options that reproduce sinkhorn-transformer's causal self-attention (scripts/convert_checkpoint.py sets them)
+_REFERENCE_CAUSAL = ("causal_key_summary", "causal_null_score", "null_bucket_copies", "shifted_heads_skip_first_bucket")
+
+
+def _changed_reference_causal(config) -> list[str]:
+    """The reference's causal options set to something else than their default."""
+    return [n for n in _REFERENCE_CAUSAL if getattr(config, n) != type(config).__dataclass_fields__[n].default]
+
+
+def _pkm_layers_outside(config) -> list[int]:
+    """pkm_layers entries that are not a layer number (counted from 1)."""
+    return [i for i in config.pkm_layers if not 1 <= i <= config.num_hidden_layers]
+
+
+REQUIREMENTS = (
+    Requirement(
+        lambda c: c.dim_head is None and c.hidden_size % c.num_attention_heads != 0,
+        "hidden_size ({c.hidden_size}) must be divisible by num_attention_heads ({c.num_attention_heads}), "
+        "or set dim_head",
+    ),
+    Requirement(
+        lambda c: c.n_local_attn_heads > c.num_attention_heads,
+        "n_local_attn_heads ({c.n_local_attn_heads}) must not exceed num_attention_heads ({c.num_attention_heads})",
+    ),
+    Requirement(
+        lambda c: c.n_sortcut > 0 and not c.non_permutative,
+        "n_sortcut > 0 needs non_permutative=True: SortCut scores the key buckets against one summary of all "
+        "queries, and Sinkhorn balancing of that single row gives every bucket the same weight, so the sort net "
+        "would choose nothing",
+    ),
+    Requirement(
+        lambda c: c.causal and c.n_sortcut > 0,
+        "n_sortcut > 0 needs causal=False (one summary of all queries sees the future)",
+    ),
+    Requirement(
+        lambda c: c.causal and c.use_simple_sort_net,
+        "use_simple_sort_net=True needs causal=False (the Gumbel-Sinkhorn sort net balances over all buckets and "
+        "sees the future)",
+    ),
+    Requirement(
+        lambda c: c.causal and not c.non_permutative,
+        "non_permutative=False (Sinkhorn balancing) needs causal=False; use non_permutative=True with causal=True",
+    ),
+    Requirement(
+        _pkm_layers_outside,
+        "pkm_layers are 1-based layer numbers in [1, {c.num_hidden_layers}], got {found}",
+    ),
+    PKM_TOPK_FITS,
+    Requirement(
+        lambda c: c.norm_after_project_out and c.embedding_size == c.hidden_size,
+        "norm_after_project_out=True needs emb_dim different from hidden_size (factorised embeddings); without "
+        "them there is no output projection",
+    ),
+    Requirement(
+        lambda c: c.weight_routed_keys and not c.weight_routed_values,
+        "weight_routed_keys=True needs weight_routed_values=True",
+    ),
+    Requirement(
+        lambda c: c.sequential_routing_weights and not c.non_permutative,
+        "sequential_routing_weights=True needs non_permutative=True",
+    ),
+    Requirement(
+        lambda c: c.simple_sort_net_scores != "log_relu" and not c.use_simple_sort_net,
+        "simple_sort_net_scores applies to use_simple_sort_net=True only",
+    ),
+    Requirement(
+        lambda c: not c.causal and _changed_reference_causal(c),
+        "{found} apply to causal self-attention only; set causal=True",
+    ),
+    Requirement(
+        lambda c: c.route_own_bucket and c.causal,
+        "route_own_bucket=True needs causal=False (a causal query bucket chooses among strictly earlier buckets)",
+    ),
+    Requirement(
+        lambda c: c.ff_chunks > 1 and c.ff_chunks > c.max_position_embeddings,
+        "ff_chunks must not exceed max_position_embeddings",
+    ),
+)
 
 
 __all__ = ["SinkhornConfig"]

@@ -197,127 +197,158 @@ def _unwrap(checkpoint: Mapping) -> dict:
 def convert_state_dict(checkpoint: Mapping, kwargs: Mapping) -> tuple[SinkhornConfig, dict[str, torch.Tensor]]:
     """(config, state dict of SinkhornForCausalLM / SinkhornForMaskedLM) for a reference checkpoint."""
     config = config_from_reference(kwargs)
-    kw = _full_kwargs(kwargs)
-    src = _unwrap(checkpoint)
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise ValueError(f"reference state dict has no '{name}' (do the kwargs match the checkpoint?)")
-        used.add(name)
-        return src[name]
-
-    out: dict[str, torch.Tensor] = {}
-    out["model.embed_tokens.weight"] = take("to_token_emb.weight")
-    rows = config.max_position_embeddings // config.bucket_size
-    out["model.embed_positions.per_bucket"] = take("axial_pos_emb.weights.0").reshape(rows, -1)
-    out["model.embed_positions.in_bucket"] = take("axial_pos_emb.weights.1").reshape(config.bucket_size, -1)
-
-    stack = "sinkhorn_transformer."
-    if config.emb_dim is not None:
-        for part in ("weight", "bias"):
-            out[f"model.project_in.{part}"] = take(f"{stack}project_in.{part}")
-            out[f"project_out.{part}"] = take(f"{stack}project_out.{part}")
-        if kw["reversible"]:
-            # the reference's reversible stack returns the sum of its two streams, ours their mean
-            out["project_out.weight"] = 2 * out["project_out.weight"]
-        stack += "fn."
-        norm = "norm_out"
+    conversion = _StateDictConversion(_unwrap(checkpoint), config, reversible=_full_kwargs(kwargs)["reversible"])
+    conversion.embeddings_and_output()
+    if config.weight_tie:
+        conversion.tied_layers()
     else:
-        norm = "model.norm"
-    for part in ("weight", "bias"):
-        out[f"{norm}.{part}"] = take(f"norm.{part}")
-        out[f"lm_head.{part}"] = take(f"to_logits.{part}")
+        conversion.layers()
+    unused = sorted(set(conversion.src) - conversion.used)
+    if unused:
+        raise ValueError(f"reference state dict has entries this conversion does not map: {unused[:8]}")
+    return config, conversion.out
 
-    def branches(i: int) -> tuple[str, str]:
-        if kw["reversible"]:
+
+class _StateDictConversion:
+    """Copies the reference's tensors (`src`) under our names (`out`), reshaped where the layouts differ.
+
+    Every tensor is read through `take`, which records it: a reference tensor left unread means the conversion does
+    not know it (the caller refuses the checkpoint rather than drop weights silently).
+    """
+
+    def __init__(self, src: dict[str, torch.Tensor], config: SinkhornConfig, reversible: bool):
+        self.src, self.config, self.reversible = src, config, reversible
+        self.used: set[str] = set()
+        self.out: dict[str, torch.Tensor] = {}
+        # the reference's layer stack; with factorised embeddings it is wrapped in a projecting module (`.fn`)
+        self.stack = "sinkhorn_transformer." + ("fn." if config.emb_dim is not None else "")
+        self.pkm = set(config.pkm_layers)  # 1-based layer numbers
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.src:
+            raise ValueError(f"reference state dict has no '{name}' (do the kwargs match the checkpoint?)")
+        self.used.add(name)
+        return self.src[name]
+
+    def branches(self, i: int) -> tuple[str, str]:
+        """Prefixes of layer i's attention and feed-forward branches in the reference."""
+        stack = self.stack
+        if self.reversible:
             return f"{stack}layers.blocks.{i}.f.net.", f"{stack}layers.blocks.{i}.g.net."
         return f"{stack}layers.layers.{i}.0.", f"{stack}layers.layers.{i}.1."
 
-    n_local, n_sink = config.n_local_attn_heads, config.num_attention_heads - config.n_local_attn_heads
-    pkm = set(config.pkm_layers)
-    ff_layers = [i for i in range(config.num_hidden_layers) if i + 1 not in pkm]
+    def embeddings_and_output(self) -> None:
+        """Token and axial position embeddings, the factorised-embedding projections, final norm and output layer."""
+        config, out, take = self.config, self.out, self.take
+        out["model.embed_tokens.weight"] = take("to_token_emb.weight")
+        rows = config.max_position_embeddings // config.bucket_size
+        out["model.embed_positions.per_bucket"] = take("axial_pos_emb.weights.0").reshape(rows, -1)
+        out["model.embed_positions.in_bucket"] = take("axial_pos_emb.weights.1").reshape(config.bucket_size, -1)
+        norm = "model.norm"
+        if config.emb_dim is not None:
+            for part in ("weight", "bias"):
+                out[f"model.project_in.{part}"] = take(f"sinkhorn_transformer.project_in.{part}")
+                out[f"project_out.{part}"] = take(f"sinkhorn_transformer.project_out.{part}")
+            if self.reversible:
+                # the reference's reversible stack returns the sum of its two streams, ours their mean
+                out["project_out.weight"] = 2 * out["project_out.weight"]
+            norm = "norm_out"  # the reference normalises after the projection back (norm_after_project_out)
+        for part in ("weight", "bias"):
+            out[f"{norm}.{part}"] = take(f"norm.{part}")
+            out[f"lm_head.{part}"] = take(f"to_logits.{part}")
 
-    def attention(i: int, ours: str) -> None:
-        f = branches(i)[0]
+    def layers(self) -> None:
+        """Every layer with its own weights."""
+        for i in range(self.config.num_hidden_layers):
+            self.attention(i, f"model.layers.{i}.attention.")
+            self.feed_forward(i, f"model.layers.{i}.feed_forward.")
+
+    def tied_layers(self) -> None:
+        """weight_tie: one attention and one feed-forward for all layers (product-key layers keep their own memory),
+        each layer keeping its own pre-norms, as in the reference, whose state dict repeats the shared weights under
+        every layer."""
+        ff_layers = [i for i in range(self.config.num_hidden_layers) if i + 1 not in self.pkm]
+        if not ff_layers:
+            raise ValueError("cannot convert: weight_tie=True with every layer in pkm_layers (no shared feed-forward)")
+        self.attention(0, "model.layers.0.attention.")
+        self.feed_forward(ff_layers[0], "model.layers.0.feed_forward.")
+        for i in sorted(self.pkm):
+            self.feed_forward(i - 1, f"model.pkm_blocks.{i}.")
+        for i in range(1, self.config.num_hidden_layers):
+            self.tied_norm(self.branches(i)[0], self.branches(0)[0], f"model.layers.{i}.attention.")
+        for i in ff_layers[1:]:
+            self.tied_norm(self.branches(i)[1], self.branches(ff_layers[0])[1], f"model.layers.{i}.feed_forward.")
+
+    def tied_norm(self, branch: str, first: str, ours: str) -> None:
+        """A weight-tied layer's own pre-norm; its other weights must repeat those of the first layer's `first`."""
+        for part in ("weight", "bias"):
+            self.out[f"{ours}norm.{part}"] = self.take(f"{branch}norm.{part}")
+        for name in [k for k in self.src if k.startswith(branch) and not k.startswith(f"{branch}norm.")]:
+            other = first + name[len(branch) :]
+            if other not in self.src or not torch.equal(self.src[name], self.src[other]):
+                raise ValueError(
+                    f"cannot convert: weight_tie=True but '{name}' differs from '{other}' (the reference shares "
+                    "these weights between layers: is the checkpoint from a weight_tie=True model?)"
+                )
+            self.used.add(name)
+
+    def attention(self, i: int, ours: str) -> None:
+        """Layer i's pre-norm, projections, sort net (non-causal simple sort net) and null buckets (causal)."""
+        config, out, take = self.config, self.out, self.take
+        f = self.branches(i)[0]
         for part in ("weight", "bias"):
             out[f"{ours}norm.{part}"] = take(f"{f}norm.{part}")
         attn = f"{ours}attention."
         for name in ("to_q.weight", "to_kv.weight", "to_out.weight", "to_out.bias"):
             out[attn + name] = take(f"{f}fn.{name}")
-        group = 1 if n_local > 0 else 0  # the local heads' group comes first
+        n_sink = config.num_attention_heads - config.n_local_attn_heads
+        group = 1 if config.n_local_attn_heads > 0 else 0  # the local heads' group comes first
         if not config.causal:
-            if config.use_simple_sort_net and n_sink > 0:
-                out[f"{attn}groups.{group}.sort_net"] = take(f"{f}fn.sinkhorn_attention.sort_net.linear")[0]
-            elif config.use_simple_sort_net:
-                take(f"{f}fn.sinkhorn_attention.sort_net.linear")
+            if config.use_simple_sort_net:
+                sort_net = take(
+                    f"{f}fn.sinkhorn_attention.sort_net.linear"
+                )  # read even when unused (no sinkhorn heads)
+                if n_sink > 0:
+                    out[f"{attn}groups.{group}.sort_net"] = sort_net[0]
             return
         nulls = [take(f"{f}fn.sinkhorn_attention.{name}") for name in ("null_keys", "null_values")]  # [heads, 1, d]
         if n_sink == 0:
             return  # the reference keeps empty null tables
+        # our Sinkhorn heads come in two groups, plain and shifted (the seed's rotated heads), each its own tables
         plain = n_sink // 2
         slices = [(0, plain), (plain, n_sink)] if plain > 0 else [(0, n_sink)]
         for name, null in zip(("null_keys", "null_values"), nulls):
             null = null.expand(-1, config.n_top_buckets, -1)  # the reference's null buckets share one key/value
             for j, (s, e) in enumerate(slices):
-                out[f"{attn}groups.{group + j}.{name}"] = null[s:e].clone()
+                out[f"{attn}groups.{group + j}.{name}"] = null[s:e].clone()  # [heads in group, n_top_buckets, d]
 
-    def feed_forward(i: int, ours: str) -> None:
-        g = branches(i)[1]
+    def feed_forward(self, i: int, ours: str) -> None:
+        """Layer i's pre-norm and feed-forward, or its product-key memory."""
+        out, take = self.out, self.take
+        g = self.branches(i)[1]
         for part in ("weight", "bias"):
             out[f"{ours}norm.{part}"] = take(f"{g}norm.{part}")
-        if i + 1 in pkm:
-            heads, dim_key = config.pkm_heads, config.pkm_dim_key
-            # queries: the reference's rows are ordered (half, head, d), ours (head, half, d); keys likewise
-            queries = take(f"{g}fn.to_queries.weight").reshape(2, heads, dim_key, -1).transpose(0, 1)
-            out[f"{ours}net.to_queries.weight"] = queries.reshape(2 * heads * dim_key, -1)
-            out[f"{ours}net.keys"] = take(f"{g}fn.keys").transpose(1, 2).contiguous()  # [heads, half, keys, d]
-            out[f"{ours}net.values.weight"] = take(f"{g}fn.values.weight")
-            for part in ("weight", "bias"):
-                out[f"{ours}net.query_norm.{part}"] = take(f"{g}fn.norm.{part}")
+        if i + 1 in self.pkm:
+            self.product_key_memory(f"{g}fn.", f"{ours}net.")
             return
         w1, b1 = take(f"{g}fn.fn.w1.weight"), take(f"{g}fn.fn.w1.bias")
-        if config.ff_glu:
+        if self.config.ff_glu:
             # the reference gates with the second half (GELU on the first); ours applies GELU to the second half
             w1, b1 = torch.cat(w1.chunk(2)[::-1]), torch.cat(b1.chunk(2)[::-1])
         out[f"{ours}net.up.weight"], out[f"{ours}net.up.bias"] = w1, b1
         out[f"{ours}net.down.weight"] = take(f"{g}fn.fn.w2.weight")
         out[f"{ours}net.down.bias"] = take(f"{g}fn.fn.w2.bias")
 
-    if not config.weight_tie:
-        for i in range(config.num_hidden_layers):
-            attention(i, f"model.layers.{i}.attention.")
-            feed_forward(i, f"model.layers.{i}.feed_forward.")
-    else:
-        if not ff_layers:
-            raise ValueError("cannot convert: weight_tie=True with every layer in pkm_layers (no shared feed-forward)")
-        attention(0, "model.layers.0.attention.")
-        feed_forward(ff_layers[0], "model.layers.0.feed_forward.")
-        for i in sorted(pkm):
-            feed_forward(i - 1, f"model.pkm_blocks.{i}.")
-
-        # as ours, the reference shares attention and feed-forward but gives every layer its own pre-norms; its state
-        # dict repeats the shared weights under every layer (they must be the same tensors' values)
-        def tied(branch: str, first: str, ours: str) -> None:
-            for part in ("weight", "bias"):
-                out[f"{ours}norm.{part}"] = take(f"{branch}norm.{part}")
-            for name in [k for k in src if k.startswith(branch) and not k.startswith(f"{branch}norm.")]:
-                other = first + name[len(branch) :]
-                if other not in src or not torch.equal(src[name], src[other]):
-                    raise ValueError(
-                        f"cannot convert: weight_tie=True but '{name}' differs from '{other}' (the reference shares "
-                        "these weights between layers: is the checkpoint from a weight_tie=True model?)"
-                    )
-                used.add(name)
-
-        for i in range(1, config.num_hidden_layers):
-            tied(branches(i)[0], branches(0)[0], f"model.layers.{i}.attention.")
-        for i in ff_layers[1:]:
-            tied(branches(i)[1], branches(ff_layers[0])[1], f"model.layers.{i}.feed_forward.")
-    unused = sorted(set(src) - used)
-    if unused:
-        raise ValueError(f"reference state dict has entries this conversion does not map: {unused[:8]}")
-    return config, out
+    def product_key_memory(self, theirs: str, ours: str) -> None:
+        out, take = self.out, self.take
+        heads, dim_key = self.config.pkm_heads, self.config.pkm_dim_key
+        # queries: the reference's rows are ordered (half, head, d), ours (head, half, d); keys likewise
+        queries = take(f"{theirs}to_queries.weight").reshape(2, heads, dim_key, -1).transpose(0, 1)
+        out[f"{ours}to_queries.weight"] = queries.reshape(2 * heads * dim_key, -1)
+        out[f"{ours}keys"] = take(f"{theirs}keys").transpose(1, 2).contiguous()  # [heads, half, keys, d]
+        out[f"{ours}values.weight"] = take(f"{theirs}values.weight")
+        for part in ("weight", "bias"):
+            out[f"{ours}query_norm.{part}"] = take(f"{theirs}norm.{part}")
 
 
 def convert(checkpoint: Mapping, kwargs: Mapping):

@@ -95,23 +95,39 @@ def write_model_card(
     extra: markdown appended at the end.
     """
     folder = Path(folder)
-    if model is not None:
-        config = model.config.to_dict()
-    else:
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(
-                f"write_model_card: {config_file} not found; pass `model=` or a save_pretrained folder"
-            )
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = _card_config(folder, model)
     model_type = config.get("model_type", "unknown")
-    name = MODEL_NAMES.get(model_type, model_type)
-    load_name = repo_id or str(folder)
     # the metadata block the Hub reads (library, task, tags), written by huggingface_hub
     metadata = ModelCardData(
         library_name="transformers", pipeline_tag="text-generation", tags=["longrange", model_type, "custom_code"]
     )
+    lines = [
+        *_title(model_type, repo_id),
+        *["", "## Training data", "", dataset or "Not recorded."],
+        *_configuration_section(config, model, tokenizer),
+        *_training_section(training_args),
+        *_metrics_section(metrics),
+        *_usage_section(repo_id or str(folder)),
+        *(["", extra] if extra else []),
+    ]
+    path = folder / "README.md"
+    ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n").save(path)
+    return path
 
+
+def _card_config(folder: Path, model) -> dict:
+    """The config the card describes: the live model's, else the folder's config.json."""
+    if model is not None:
+        return model.config.to_dict()
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"write_model_card: {config_file} not found; pass `model=` or a save_pretrained folder")
+    return json.loads(config_file.read_text(encoding="utf-8"))
+
+
+def _title(model_type: str, repo_id: str | None) -> list[str]:
+    """The card's heading (the repository name, else the model's), what the model is, and its paper."""
+    name = MODEL_NAMES.get(model_type, model_type)
     lines = [
         f"# {repo_id.split('/')[-1] if repo_id else name}",
         "",
@@ -120,29 +136,46 @@ def write_model_card(
     ]
     if model_type in PAPERS:
         lines += ["", f"Paper: {PAPERS[model_type]}."]
+    return lines
 
-    lines += ["", "## Training data", "", dataset or "Not recorded."]
 
-    lines += ["", "## Configuration", "", "| field | value |", "| --- | --- |"]
-    lines += [f"| `{key}` | {_format_value(config[key])} |" for key in CARD_CONFIG_FIELDS if key in config]
+def _table(heading: str, columns: tuple[str, str], rows: Mapping[str, Any]) -> list[str]:
+    """A markdown section holding a two-column table."""
+    lines = ["", heading, "", f"| {columns[0]} | {columns[1]} |", "| --- | --- |"]
+    return lines + [f"| {key} | {_format_value(value)} |" for key, value in rows.items()]
+
+
+def _code_keys(rows: Mapping[str, Any]) -> dict[str, Any]:
+    """Option and field names shown as code."""
+    return {f"`{key}`": value for key, value in rows.items()}
+
+
+def _configuration_section(config: Mapping[str, Any], model, tokenizer) -> list[str]:
+    """The config fields worth a line (CARD_CONFIG_FIELDS), the parameter count and the tokenizer when known."""
+    lines = _table(
+        "## Configuration", ("field", "value"), _code_keys({k: config[k] for k in CARD_CONFIG_FIELDS if k in config})
+    )
     if model is not None:
         lines.append(f"| parameters | {sum(p.numel() for p in model.parameters()):,} |")
     if tokenizer is not None:
         lines.append(f"| tokenizer | {type(tokenizer).__name__}, {len(tokenizer)} tokens |")
-    lines += ["", "The full configuration is `config.json`."]
+    return lines + ["", "The full configuration is `config.json`."]
 
-    if training_args:
-        lines += ["", "## Training", "", "| option | value |", "| --- | --- |"]
-        lines += [f"| `{key}` | {_format_value(value)} |" for key, value in training_args.items()]
 
-    lines += ["", "## Metrics", ""]
+def _training_section(training_args: Mapping[str, Any] | None) -> list[str]:
+    """The options training ran with; no section when they were not recorded."""
+    return _table("## Training", ("option", "value"), _code_keys(training_args)) if training_args else []
+
+
+def _metrics_section(metrics: Mapping[str, float] | None) -> list[str]:
     if metrics:
-        lines += ["| metric | value |", "| --- | --- |"]
-        lines += [f"| {key} | {_format_value(value)} |" for key, value in metrics.items()]
-    else:
-        lines.append("Not recorded.")
+        return _table("## Metrics", ("metric", "value"), metrics)
+    return ["", "## Metrics", "", "Not recorded."]
 
-    lines += [
+
+def _usage_section(load_name: str) -> list[str]:
+    """How to load and sample the model from the Hub (or the folder) with transformers alone."""
+    return [
         "",
         "## Usage",
         "",
@@ -160,11 +193,6 @@ def write_model_card(
         "print(tokenizer.decode(output[0]))",
         "```",
     ]
-    if extra:
-        lines += ["", extra]
-    path = folder / "README.md"
-    ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n").save(path)
-    return path
 
 
 def prepare_hub_folder(

@@ -6,6 +6,7 @@
     python scripts/benchmark_memory.py --hidden 512 --layers 6 --steps 5000 --threads 0   # larger, e.g. on a GPU
     python scripts/benchmark_memory.py --quick --kjv K.txt --python-dir DIR --output_dir /tmp/m   # smoke run (CI)
     python scripts/benchmark_memory.py --plot-only docs/benchmarks/memory.json              # redraw, reprint
+    python scripts/benchmark_memory.py --configs txl --update                               # rerun some, keep the rest
 
 Corpus: the King James Bible (`--kjv`) cut into its 66 books (a book starts at its "<Book> 1" chapter heading)
 and `--python-files` Python standard-library files (`--python-dir`, default this interpreter's; `.py` files of at
@@ -26,9 +27,9 @@ initialisation only (the data order is the same for every seed and configuration
 Configurations (M = --mem, C = --c-mem, r = --rate, S = --segment; span = tokens of the past a token can attend,
 slots = keys it attends beside its own segment):
   compressive   mem_len M, c_mem_len C, conv1d, attention reconstruction: slots M + C, span M + C r
-  txl           mem_len 2M ("mem_len doubled"), c_mem_len 1, mean_pool, no reconstruction loss. The config refuses
-                c_mem_len 0 (CompressiveConfig: c_mem_len >= 1), so 1 compressed slot (the mean of r tokens) is the
-                nearest to none: slots 2M + 1, span 2M + r. With C r = M (the default) 2M is the compressive span.
+  txl           Transformer-XL: mem_len 2M ("mem_len doubled"), c_mem_len 0 (evicted memories are dropped, nothing
+                is compressed, no reconstruction loss; mean_pool, so that no unused f_c weights are counted):
+                slots 2M, span 2M. With C r = M (the default) 2M is the compressive span.
   none          the compressive config, trained and evaluated with every segment alone (`train.py
                 --segments_alone`: each window's segments are separate rows, so the same tokens per step, from an
                 empty memory): no memory at all. (mem_len 0 is refused by the config: mem_len >= compression_rate.)
@@ -43,7 +44,7 @@ token of its own segment before it is scored (the first token of each segment is
 "each segment alone" scores the same tokens). Bits per byte = NLL / ln 2 / scored bytes.
 `--eval-mem-lens`: the same, with the memory of evaluation changed through `scripts/evaluate.py`'s `--mem_len` /
 `--c_mem_len` code (`load_model`): mem_len m and c_mem_len scaled as trained (C / M of training, at least 1; txl
-keeps 1); m = 0 means each segment alone. A configuration's own figure is at its trained memory (none: m = 0).
+keeps 0); m = 0 means each segment alone. A configuration's own figure is at its trained memory (none: m = 0).
 
 Writes `--json` (command, date, seeds, sizes, per configuration and seed, mean and spread; rewritten after every
 run) and `--plot` (bits per byte against the evaluation memory, one line per configuration, and bars of every
@@ -130,11 +131,10 @@ def configurations(size: dict, names) -> dict[str, dict]:
             entry = dict(group="main", slots=m + c, span=m + c * r,
                          description=f"memory {m} + compressed memory {c} (rate {r}, conv1d, attention loss)")  # fmt: skip
         elif name == "txl":
-            fields = {"mem_len": 2 * m, "c_mem_len": 1, "compression_rate": r, "compression_function": "mean_pool",
+            fields = {"mem_len": 2 * m, "c_mem_len": 0, "compression_rate": r, "compression_function": "mean_pool",
                       "reconstruction_loss": "none"}  # fmt: skip
-            entry = dict(group="main", slots=2 * m + 1, span=2 * m + r, plain_memory=True,
-                         description=f"memory {2 * m} (doubled), compressed memory 1 (the config's minimum; mean of "
-                         f"{r})")  # fmt: skip
+            entry = dict(group="main", slots=2 * m, span=2 * m, plain_memory=True,
+                         description=f"Transformer-XL: memory {2 * m} (doubled), no compressed memory")  # fmt: skip
         elif name == "none":
             fields = {**memory, "compression_function": "conv1d", "reconstruction_loss": "attention"}
             entry = dict(group="main", slots=0, span=0, segments_alone=True,
@@ -153,8 +153,8 @@ def eval_memory(info: dict, m: int) -> tuple[int, int] | None:
     if m == 0:
         return None
     trained = info["config"]
-    if info["plain_memory"]:  # txl: one compressed slot throughout
-        return m, 1
+    if info["plain_memory"]:  # txl: no compressed memory at any length
+        return m, 0
     return m, max(1, round(m * trained["c_mem_len"] / trained["mem_len"]))
 
 
@@ -448,7 +448,7 @@ def plot(report: dict, path: Path) -> None:
             j = mems.index(own[0] if own else 0)
             sweep.plot(x[j], mean[j], marker="*", ms=13, color=style["color"], mec="black", mew=0.6)
     sweep.set_xticks(x, ["0\nalone" if m == 0 else str(m) for m in mems])
-    sweep.set_xlabel("evaluation mem_len (c_mem_len scaled as trained; txl keeps 1)")
+    sweep.set_xlabel("evaluation mem_len (c_mem_len scaled as trained; txl keeps 0)")
     sweep.set_ylabel("validation bits per byte")
     seeds = ", ".join(str(s) for s in report["seeds"])
     sweep.set_title(
@@ -505,6 +505,23 @@ def finish(report: dict, args) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def updated_record(new: dict, path: Path) -> dict:
+    """The record at `path` with `new`'s configurations emptied for a rerun, refused unless both were made with the
+    same sizes, seeds and data (so the rerun rows compare with the kept ones)."""
+    if not path.is_file():
+        raise SystemExit(f"--update: no record at {path} (run without --update first)")
+    old = json.loads(path.read_text())
+    for key in ("sizes", "seeds", "data"):
+        if old.get(key) != new[key]:
+            raise SystemExit(f"--update: the record at {path} was made with other {key} ({old.get(key)!r}); "
+                             f"rerun everything without --update")  # fmt: skip
+    old["configs"].update(new["configs"])
+    old["runs"].update({name: {} for name in new["configs"]})
+    old.setdefault("updates", []).append({"command": new["command"], "date": new["date"],
+                                          "configs": list(new["configs"]), "versions": new["versions"]})  # fmt: skip
+    return old
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 3 steps, tiny evaluation (smoke run)")
@@ -528,6 +545,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="default docs/benchmarks/memory.json (quick: output_dir)")
     p.add_argument("--plot", type=Path, default=None, help="default docs/images/memory.png (quick: output_dir)")
     p.add_argument("--plot-only", type=Path, default=None, metavar="JSON", help="redraw and reprint a record")
+    p.add_argument("--update", action="store_true",
+                   help="rerun only --configs and replace their runs in the existing --json record (same sizes, "
+                   "seeds and data), keeping the other configurations; the record lists each update")  # fmt: skip
     args = p.parse_args(argv)
     size = dict(SIZES["quick" if args.quick else "full"])
     for key in size:
@@ -617,11 +637,13 @@ def main(argv=None) -> dict:
             "scored_bytes_per_document": size["eval_doc_tokens"] - size["eval_doc_tokens"] // size["segment"],
             "mem_lens": size["eval_mem_lens"],
             "protocol": "each document from an empty memory carried across it; the first token of each "
-            "segment is not scored; c_mem_len scaled with mem_len as trained (txl: 1)",
+            "segment is not scored; c_mem_len scaled with mem_len as trained (txl: 0)",
         },
         "configs": configs,
         "runs": {name: {} for name in configs},
     }
+    if args.update:
+        report = updated_record(report, args.json)
     train, evaluate = load_script("train"), load_script("evaluate")
     started, total = time.perf_counter(), len(configs) * len(args.seeds)
     done = 0
@@ -641,13 +663,17 @@ def main(argv=None) -> dict:
                   f"({run['train_seconds']:.0f} s training, {run['train_cpu_seconds']:.0f} s CPU; "
                   f"{run['eval_seconds']:.0f} s evaluation)", flush=True)  # fmt: skip
             finish(report, args)  # the record so far, in case the run is stopped
-    report["complete"] = True
-    report["total_seconds"] = time.perf_counter() - started
+    if args.update:
+        report["updates"][-1]["seconds"] = time.perf_counter() - started
+    else:
+        report["complete"] = True
+        report["total_seconds"] = time.perf_counter() - started
     finish(report, args)
     print()
     print(tables(report))
     plot(report, args.plot)
-    print(f"\nwrote {args.json} and {args.plot} ({report['total_seconds'] / 60:.1f} minutes)")
+    seconds = report["updates"][-1]["seconds"] if args.update else report["total_seconds"]
+    print(f"\nwrote {args.json} and {args.plot} ({seconds / 60:.1f} minutes)")
     return report
 
 

@@ -70,8 +70,9 @@ def test_configurations_and_evaluation_memories():
     compressive, txl, none = configs["compressive"], configs["txl"], configs["none"]
     assert compressive["config"] == {"mem_len": 64, "c_mem_len": 16, "compression_rate": 4,
                                      "compression_function": "conv1d", "reconstruction_loss": "attention"}  # fmt: skip
-    assert (txl["config"]["mem_len"], txl["config"]["c_mem_len"]) == (128, 1)  # mem_len doubled; 0 is refused
-    assert (compressive["span"], txl["span"], none["span"]) == (128, 132, 0)
+    assert (txl["config"]["mem_len"], txl["config"]["c_mem_len"]) == (128, 0)  # Transformer-XL, mem_len doubled
+    assert txl["config"]["reconstruction_loss"] == "none"
+    assert (compressive["span"], txl["span"], none["span"]) == (128, 128, 0)
     assert none["segments_alone"] and none["config"] == compressive["config"]
     for name, info in configs.items():  # every configuration is one the model accepts
         from longrange import CompressiveConfig
@@ -80,7 +81,7 @@ def test_configurations_and_evaluation_memories():
         if info["config"]["compression_function"] in ("max_pool", "mean_pool", "most_used"):
             assert info["config"]["reconstruction_loss"] == "none", name
     assert bench.eval_memory(compressive, 256) == (256, 64) and bench.eval_memory(compressive, 0) is None
-    assert bench.eval_memory(txl, 256) == (256, 1) and bench.eval_memory(compressive, 16) == (16, 4)
+    assert bench.eval_memory(txl, 256) == (256, 0) and bench.eval_memory(compressive, 16) == (16, 4)
 
 
 def test_quick_run_writes_the_record_and_plot(tmp_path):
@@ -110,7 +111,7 @@ def test_quick_run_writes_the_record_and_plot(tmp_path):
     for name, m in (("compressive", "16"), ("none", "0")):
         for run in report["runs"][name].values():
             assert run["bits_per_byte"] == run["eval_memory"][m]["bits_per_byte"]
-    assert report["runs"]["txl"]["0"]["eval_memory"]["32"]["c_mem_len"] == 1
+    assert report["runs"]["txl"]["0"]["eval_memory"]["32"]["c_mem_len"] == 0
     assert [(c["a"], c["b"]) for c in report["comparisons"]] == [("compressive", "txl"), ("compressive", "none"),
                                                                    ("txl", "none")]  # fmt: skip
     # the sweep goes through scripts/evaluate.py's override: the same figure from a model loaded with it
@@ -125,6 +126,15 @@ def test_quick_run_writes_the_record_and_plot(tmp_path):
     # the record redraws without training
     again = bench.main(["--plot-only", str(out / "memory.json"), "--plot", str(tmp_path / "again.png")])
     assert again["summary"] == report["summary"] and (tmp_path / "again.png").is_file()
+    # --update reruns one configuration into the record and keeps the others as they were
+    kept = {name: report["runs"][name] for name in ("compressive", "none")}
+    updated = bench.main([*argv[:-9], "--configs", "txl", "--seeds", "0", "1", "--validation", "0.25", "--update"])
+    assert {name: updated["runs"][name] for name in kept} == json.loads(json.dumps(kept))
+    assert sorted(updated["runs"]["txl"]) == ["0", "1"] and updated["command"] == report["command"]
+    assert [u["configs"] for u in updated["updates"]] == [["txl"]] and updated["updates"][0]["seconds"] > 0
+    assert json.loads((out / "memory.json").read_text())["updates"] == json.loads(json.dumps(updated["updates"]))
+    with pytest.raises(SystemExit, match="other seeds"):
+        bench.main([*argv[:-9], "--configs", "txl", "--seeds", "0", "--validation", "0.25", "--update"])
 
 
 @pytest.mark.slow
