@@ -138,6 +138,23 @@ class CompressiveMemoryLayer:
             self.mem_usage = reference.new_zeros(batch, 0, dtype=torch.float32)
             self.pending_usage = self.mem_usage
 
+    def prepare_projections(self, layer, capacity: int, like: torch.Tensor) -> None:
+        """Inference: makes sure this layer holds its relative table [heads, d_head, capacity] (dtype and device of
+        `like`) and the projected keys/values of [c_mem, mem, pending], which only the decoder `layer` computes."""
+        if self.rel_table is None:
+            self.rel_table = layer.position_table(capacity, like)
+        if self.keys is None:
+            self.store_projected(*layer.project_memory(self.context()), capacity)
+
+    def chunk_mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """[batch, 1, q, K] which keys [c_mem, mem, pending, chunk] each of a chunk's q queries (validity
+        [batch, q]) may attend: held memories and earlier segment tokens where real, the chunk causally."""
+        key_valid = torch.cat([self.context_valid(), valid], dim=1)  # [batch, K]
+        q_len, k_len = valid.shape[1], key_valid.shape[1]
+        # query i sits at key position k_len - q_len + i: memories and earlier segment tokens visible, future not
+        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=valid.device).tril(k_len - q_len)
+        return key_valid[:, None, None, :] & causal
+
     def apply_to_batch(self, fn) -> None:
         for name in self._BATCHED + self._STATIC:
             value = getattr(self, name)
@@ -340,6 +357,28 @@ class CompressiveMemoryCache(Cache):
         self._apply_to_batch(lambda t: t[indices])
         self._host_rows = None
 
+    def fills_differ(self) -> bool:
+        """Static form: whether the rows hold different numbers of slots (reads the fills back to the host)."""
+        lengths = self.row_lengths()
+        return any(row != lengths[0] for row in lengths)
+
+    def run_rows(self, valid: torch.Tensor, run, layers) -> list:
+        """Static form: each row's real tokens (valid [batch, seq]) run on that row alone, from its own fill.
+        `run(row_cache, row, index)` runs the tokens `index` [n] of `row` against `row_cache`, the row alone in
+        the compact form; the row then goes back into the static form (`layers`: see `to_static`). Returns
+        [(row, index, what run returned)] for the rows with real tokens."""
+        results = []
+        for row in range(valid.shape[0]):
+            index = valid[row].nonzero()[:, 0]
+            if index.numel() == 0:
+                continue
+            sub = self.select_row(row)
+            sub.to_compact()
+            results.append((row, index, run(sub, row, index)))
+            sub.to_static(self._layout, layers)
+            self.put_row(row, sub)
+        return results
+
     def select_row(self, row: int) -> CompressiveMemoryCache:
         """Static form: a new cache holding row `row` alone (copies)."""
         sub = CompressiveMemoryCache(len(self.layers), crop_margin=self.crop_margin)
@@ -412,8 +451,12 @@ class CompressiveMemoryCache(Cache):
             _restore_fields(cache.layers, static["layers"], cls._SAVED_STATIC, device)
         return cache
 
-    def to_static(self, layout: StaticLayout) -> None:
-        """Compact form (every row at the same fill, its projections stored) -> the static form of `layout`."""
+    @torch.no_grad()
+    def to_static(self, layout: StaticLayout, layers) -> None:
+        """Compact form (every row at the same fill) -> the static form of `layout`. The model's decoder `layers`
+        compute what only they can: each layer's relative table and its memories' projections, when not held."""
+        for layer, state in zip(layers, self.layers):
+            state.prepare_projections(layer, layout.capacity, state.mem)
         to_static(self, layout)
 
     def to_compact(self) -> None:

@@ -48,6 +48,19 @@ class StaticLayout:
     grouped: bool
     margin: int = 0
 
+    @classmethod
+    def for_config(cls, config, margin: int = 0) -> StaticLayout:
+        """The layout of a model's config, for a cache croppable by up to `margin` tokens."""
+        compresses = config.c_mem_len > 0
+        return cls(
+            config.c_mem_len,
+            config.mem_len,
+            config.segment_length,
+            config.compression_rate if compresses else 1,
+            grouped=compresses and config.compression_function != "most_used",
+            margin=margin,
+        )
+
     @property
     def capacity(self) -> int:
         # most key slots any compact chunk can see (the relative table's length)

@@ -31,22 +31,15 @@ from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .cache_compressive import CompressiveMemoryCache, StaticLayout
+from .cache_compressive import CompressiveMemoryCache
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
 from .compression import COMPRESSION_CLASSES
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
-from .layers import (
-    FeedForward,
-    attend,
-    blockwise_attention,
-    put_along,
-    real_tokens_first,
-    register_fsdp_methods,
-    sinusoidal_embedding,
-)
+from .layers import FeedForward, attend, blockwise_attention, put_along, register_fsdp_methods, sinusoidal_embedding
 from .loading import checked_from_pretrained
 from .product_key_memory import ProductKeyMemory
+from .segments_compressive import SegmentRunner
 
 # ----------------------------------------------------------------------------------------------------------------
 # Attention
@@ -228,7 +221,9 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
 
     The LayerNorm placement is chosen once here: with "pre" the `*_input_norm`s are LayerNorms (also applied to
     the stored, un-normalised memories) and the `*_output_norm`s are identities; with "post" the other way round.
-    Each layer owns its compression function `f_c` and, for the auto-encoding loss, its decoder.
+    Each layer owns its compression function `f_c` and, for the auto-encoding loss, its decoder, and updates its
+    own memory after a complete segment (`update_memory`: its cache layer evicts, f_c compresses, the
+    reconstruction loss trains f_c).
     """
 
     def __init__(self, config: CompressiveConfig, layer_idx: int):
@@ -253,6 +248,11 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
             if config.reconstruction_loss == "autoencoding"
             else None
         )
+        # the memory schedule's sizes; c_mem_len = 0 is Transformer-XL: evicted memories dropped one by one
+        self.mem_len, self.c_mem_len = config.mem_len, config.c_mem_len
+        self.eviction_unit = config.compression_rate if config.c_mem_len else 1  # evictions take whole groups of it
+        self.reconstruction = config.reconstruction_loss  # "attention", "autoencoding" or "none"
+        self.hidden_size = hidden
 
     def forward(
         self,
@@ -307,9 +307,59 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.ff_output_norm(hidden_states + self.dropout(ff_out))
         return hidden_states, query, keys, values, weights
 
-    # What the model calls on a layer outside its forward: positions, the memory update and its loss. Each is a
-    # method of the layer (never a direct call of a submodule), so that under per-layer FSDP units it can gather
-    # the layer's parameters as forward does (`register_fsdp_methods`).
+    # ------------------------------------------------------------------------------------------------------------
+    # The memory update after a complete segment (called by the segment runner, outside forward)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def update_memory(self, state, projections: tuple | None = None) -> torch.Tensor | None:
+        """The schedule after a complete segment: the cache layer `state` hands back what the segment pushed out of
+        its memory; f_c compresses it (trained by the reconstruction loss, returned when training) and the entries
+        go back to the cache (dropped when c_mem_len = 0). `projections` (the segment's queries, the keys/values of
+        [c_mem, mem, segment]) lets the attention reconstruction loss reuse what forward computed."""
+        eviction = state.complete_segment(self.mem_len, self.eviction_unit)
+        if eviction is None:
+            return None
+        if not self.c_mem_len:
+            state.store_compressed(eviction)  # Transformer-XL: the evicted memories are dropped
+            return None
+        train_compression = self.training and torch.is_grad_enabled() and self.reconstruction != "none"
+        with torch.set_grad_enabled(train_compression):
+            compressed, compressed_valid = self.compress_memory(eviction.memories, eviction.valid, eviction.usage)
+        loss = None
+        if train_compression:
+            loss = self._reconstruction_loss(eviction, compressed, compressed_valid, projections)
+        state.store_compressed(eviction, compressed.detach(), compressed_valid, self.c_mem_len, self.project_memory)
+        return loss
+
+    def _reconstruction_loss(self, eviction, compressed, compressed_valid, projections) -> torch.Tensor:
+        """The loss that trains f_c on one eviction: attention reconstruction (reusing the segment's queries and
+        the evicted keys/values when forward computed them) or auto-encoding."""
+        if self.reconstruction != "attention":
+            return self.autoencoding_loss(eviction.memories, eviction.valid, compressed)
+        reused = None
+        if projections is not None:
+            query, all_keys, all_values = projections  # evicted = the first memories after c_mem
+            evicted_kv = slice(eviction.c_len, eviction.c_len + eviction.memories.shape[1])
+            reused = (query, all_keys[:, :, evicted_kv], all_values[:, :, evicted_kv])
+        return self.attention_reconstruction_loss(
+            eviction.segment,
+            eviction.segment_valid,
+            eviction.memories,
+            eviction.valid,
+            compressed,
+            compressed_valid,
+            reused,
+        )
+
+    def position_table(self, length: int, like: torch.Tensor) -> torch.Tensor:
+        """[heads, d_head, length]: the projected sinusoidal encodings of distances length - 1 ... 0 (in the dtype
+        and on the device of `like`), so that the K keys of any chunk read the last K columns (a view)."""
+        distances = torch.arange(length - 1, -1, -1, device=like.device)
+        return self.relative_table(sinusoidal_embedding(distances, self.hidden_size).to(like.dtype))
+
+    # What the segment runner and the cache call on a layer outside its forward: positions, the memory update
+    # and its loss. Each is a method of the layer (never a direct call of a submodule), so that under per-layer
+    # FSDP units it can gather the layer's parameters as forward does (`register_fsdp_methods`).
     FSDP_FORWARD_METHODS = (
         "relative_table",
         "project_memory",
@@ -493,12 +543,8 @@ class CompressiveModel(CompressivePreTrainedModel):
         # pre-LN needs a final norm; post-LN outputs are already normalised
         pre = config.layer_norm_position == "pre"
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else nn.Identity()
-        # c_mem_len = 0 is Transformer-XL: evicted memories are dropped one by one, never compressed
-        self.compresses = config.c_mem_len > 0
-        self.eviction_unit = config.compression_rate if self.compresses else 1  # evictions take whole groups of it
-        self.track_usage = config.compression_function == "most_used" and self.compresses
-        # most key slots any chunk can see: a full compressed memory, a full memory and a whole segment
-        self._capacity = config.c_mem_len + config.mem_len + config.segment_length
+        # "most_used" compression picks the memories that received the most attention: the cache accumulates it
+        self.track_usage = config.compression_function == "most_used" and config.c_mem_len > 0
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -532,18 +578,17 @@ class CompressiveModel(CompressivePreTrainedModel):
             check_cache(cache, "compressive", batch, 0 if cache.layers[0].is_empty else cache.layers[0].batch_size)
         valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
 
-        outputs, layer_outputs, layer_attentions, losses = self._run_layers(
-            hidden_states, valid, cache, attention_mask is not None, use_cache, output_hidden_states, output_attentions
-        )
+        runner = SegmentRunner(self, cache, output_hidden_states, output_attentions)
+        run = runner.run(hidden_states, valid, masked=attention_mask is not None, use_cache=use_cache)
         cache.seen_tokens += seq_len
 
-        final = self.norm(outputs)
+        final = self.norm(run.outputs)
         result = CompressiveModelOutput(
             last_hidden_state=final,
             cache=cache if use_cache else None,
-            hidden_states=(hidden_states, *layer_outputs[:-1], final) if output_hidden_states else None,
-            attentions=tuple(layer_attentions) if output_attentions else None,
-            reconstruction_loss=self._reconstruction_loss_of_call(losses),
+            hidden_states=(hidden_states, *run.hidden[:-1], final) if output_hidden_states else None,
+            attentions=tuple(run.attentions) if output_attentions else None,
+            reconstruction_loss=self._reconstruction_loss_of_call(run.losses),
         )
         return result if return_dict else result.to_tuple()
 
@@ -565,55 +610,6 @@ class CompressiveModel(CompressivePreTrainedModel):
             )
         return cache
 
-    def _run_layers(self, hidden_states, valid, cache, masked, use_cache, output_hidden_states, output_attentions):
-        """[batch, seq, hidden] layer-0 inputs -> (last layer's outputs, each layer's outputs, each layer's attentions,
-        reconstruction losses). Decoding (one token, no gradient) uses the cache's static form: each row at its own
-        fill, fixed shapes, nothing read back to the host. A croppable cache also takes the last crop_margin tokens
-        of longer calls one at a time, so that a crop finds what it needs in the static buffers. Everything else
-        runs segment by segment through the compact form."""
-        seq_len = hidden_states.shape[1]
-        stepped = 0
-        if not torch.is_grad_enabled():
-            stepped = seq_len if seq_len == 1 else min(seq_len, cache.crop_margin)
-        head = seq_len - stepped
-        results = []
-        if head:
-            results.append(
-                self._forward_tokens(
-                    hidden_states[:, :head],
-                    valid[:, :head],
-                    cache,
-                    masked,
-                    use_cache,
-                    output_hidden_states,
-                    output_attentions,
-                )  # fmt: skip
-            )
-        if stepped:
-            if not cache.is_static:
-                self._to_static(cache, hidden_states)
-            steps = [
-                self._decode_step(
-                    hidden_states[:, t : t + 1],
-                    valid[:, t],
-                    cache,
-                    output_hidden_states,
-                    output_attentions,
-                    tokens_real=not masked,
-                )  # fmt: skip
-                for t in range(head, seq_len)
-            ]
-            results.append(_concatenate_steps(steps, output_hidden_states, output_attentions))
-        if len(results) == 1:
-            return results[0]
-        (outputs, hidden, maps, losses), (step_outputs, step_hidden, step_maps, _) = results
-        return (
-            torch.cat([outputs, step_outputs], dim=1),
-            [torch.cat(pair, dim=1) for pair in zip(hidden, step_hidden)] if output_hidden_states else hidden,
-            [torch.cat(pair, dim=2) for pair in zip(maps, step_maps)] if output_attentions else maps,
-            losses,
-        )
-
     def _reconstruction_loss_of_call(self, losses: list[torch.Tensor]) -> torch.Tensor | None:
         """The mean of the call's reconstruction losses; when training evicted nothing into f_c (or c_mem_len = 0),
         an exact zero that still touches every f_c (and decoder) parameter, so that data-parallel training sees
@@ -623,144 +619,6 @@ class CompressiveModel(CompressivePreTrainedModel):
         if self.training and torch.is_grad_enabled() and self.config.reconstruction_loss != "none":
             return torch.stack([layer.compression_zero() for layer in self.layers]).sum()
         return None
-
-    def _forward_tokens(self, hidden_states, valid, cache, masked, use_cache, output_hidden_states, output_attentions):
-        """Any number of tokens through the compact form. Each row's real tokens are moved to the front first (a
-        stable sort of the mask, undone on the outputs), so segments and memory slots count real tokens only:
-        a row's outputs do not depend on its padding. Trailing padding left by a shorter row would still enter
-        that row's memory, so when the cache is kept and rows hold different numbers of real tokens (or the
-        cache's rows are at different fills), the rows run one at a time (`_forward_rows`)."""
-        split = False
-        if cache.is_static:
-            lengths = cache.row_lengths()  # multi-token calls may read the fills back; decoding steps never do
-            split = any(row != lengths[0] for row in lengths)
-        counts = None
-        if masked and (use_cache or split):
-            counts = valid.sum(dim=1).tolist()
-            split = split or any(count != counts[0] for count in counts)
-        if split:
-            return self._forward_rows(hidden_states, valid, cache, output_hidden_states, output_attentions)
-        if cache.is_static:
-            cache.to_compact()
-        if cache.layers[0].is_empty:
-            for layer_state in cache.layers:
-                layer_state.init_empty(hidden_states.detach(), self.track_usage)
-        if not masked or (counts is not None and counts[0] == valid.shape[1]):  # no padding: nothing to move
-            return self._run_segments(hidden_states, valid, cache, output_hidden_states, output_attentions)
-
-        batch, seq_len, hidden = hidden_states.shape
-        order = real_tokens_first(valid)
-        kept = seq_len if counts is None else counts[0]  # a kept cache takes no all-padding columns
-        order = order[:, :kept]
-        rolled = hidden_states.gather(1, order[..., None].expand(-1, -1, hidden))
-        outputs, layer_outputs, layer_attentions, losses = self._run_segments(
-            rolled, valid.gather(1, order), cache, output_hidden_states, output_attentions
-        )
-
-        def unroll(tensor, dim):
-            shape = list(tensor.shape)
-            shape[dim] = seq_len
-            index = order.view(batch, *([1] * (dim - 1)), kept, *([1] * (tensor.dim() - dim - 1)))
-            return tensor.new_zeros(shape).scatter(dim, index.expand_as(tensor), tensor)
-
-        outputs = unroll(outputs, 1)
-        if output_hidden_states:
-            layer_outputs = [unroll(h, 1) for h in layer_outputs]
-        if output_attentions:
-            layer_attentions = [unroll(a, 2) for a in layer_attentions]
-        return outputs, layer_outputs, layer_attentions, losses
-
-    def _forward_rows(self, hidden_states, valid, cache, output_hidden_states, output_attentions):
-        """Rows one at a time (each on its real tokens only, from its own fill); the cache is left in the static
-        form, where rows may differ."""
-        if not cache.is_static:
-            self._to_static(cache, hidden_states)
-        batch, seq_len, _ = hidden_states.shape
-        outputs = hidden_states.new_zeros(hidden_states.shape)
-        layer_outputs = (
-            [hidden_states.new_zeros(hidden_states.shape) for _ in self.layers] if output_hidden_states else None
-        )
-        layer_attentions = [None] * len(self.layers)
-        losses = []
-        for row in range(batch):
-            index = valid[row].nonzero()[:, 0]
-            if index.numel() == 0:
-                continue
-            sub = cache.select_row(row)
-            sub.to_compact()
-            out, hidden, attentions, row_losses = self._run_segments(
-                hidden_states[row : row + 1, index], valid[row : row + 1, index], sub, output_hidden_states,
-                output_attentions,
-            )  # fmt: skip
-            self._to_static(sub, hidden_states)
-            cache.put_row(row, sub)
-            outputs[row, index] = out[0]
-            losses.extend(row_losses)
-            for i in range(len(self.layers)):
-                if output_hidden_states:
-                    layer_outputs[i][row, index] = hidden[i][0]
-                if output_attentions:
-                    if layer_attentions[i] is None:
-                        layer_attentions[i] = attentions[i].new_zeros(batch, *attentions[i].shape[1:2], seq_len,
-                                                                      attentions[i].shape[3])  # fmt: skip
-                    layer_attentions[i][row, :, index] = attentions[i][0]
-        return outputs, layer_outputs, layer_attentions, losses
-
-    def _run_segments(self, hidden_states, valid, cache, output_hidden_states, output_attentions):
-        """The compact form's segment loop: [batch, seq, hidden] layer-0 inputs -> (last layer's outputs, each
-        layer's outputs (with output_hidden_states), each layer's attentions (with output_attentions),
-        reconstruction losses)."""
-        config = self.config
-        seq_len = hidden_states.shape[1]
-        # projected memories are reused only when nothing is trained (weights cannot change under a no-grad call)
-        reuse_projections = not torch.is_grad_enabled()
-        if reuse_projections:
-            for layer, layer_state in zip(self.layers, cache.layers):
-                if layer_state.rel_table is None:
-                    layer_state.rel_table = self._relative_table(layer, self._capacity, hidden_states)
-            relative_tables = [layer_state.rel_table for layer_state in cache.layers]
-        else:
-            for layer_state in cache.layers:
-                layer_state.drop_projections()
-            # projected once per call (with gradient) for the longest key span any chunk of this call can reach
-            max_keys = min(self._capacity, cache.memory_slots() + seq_len)
-            relative_tables = [self._relative_table(layer, max_keys, hidden_states) for layer in self.layers]
-
-        outputs, per_layer_outputs = [], [[] for _ in self.layers] if output_hidden_states else None
-        per_layer_attentions = [[] for _ in self.layers] if output_attentions else None
-        reconstruction_losses = []
-        # per layer, the previous chunk's key/value projection (detached): the next chunk's memories end with
-        # that chunk's inputs, whose projection need not be computed again within this call
-        recent_kv = [None] * len(self.layers)
-        start = 0
-        while start < seq_len:
-            # chunks end at segment boundaries counted over all tokens seen, so that any split of a sequence into
-            # calls (one forward, segment-wise calls, or token-by-token decoding) gives the same segmenting
-            pending_len = cache.layers[0].pending.shape[1]
-            end = min(seq_len, start + config.segment_length - pending_len)
-            chunk_out, chunk_hidden, chunk_attentions = self._forward_chunk(
-                hidden_states[:, start:end],
-                valid[:, start:end],
-                cache,
-                relative_tables,
-                reconstruction_losses,
-                recent_kv,
-                output_attentions,
-            )
-            outputs.append(chunk_out)
-            if output_hidden_states:
-                for layer_outputs, h in zip(per_layer_outputs, chunk_hidden):
-                    layer_outputs.append(h)
-            if output_attentions:
-                for layer_attentions, weights in zip(per_layer_attentions, chunk_attentions):
-                    layer_attentions.append(weights)
-            start = end
-        return (
-            torch.cat(outputs, dim=1),
-            [torch.cat(h, dim=1) for h in per_layer_outputs] if output_hidden_states else None,
-            [torch.cat(a, dim=2) for a in per_layer_attentions] if output_attentions else None,
-            reconstruction_losses,
-        )
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
         check_tokens(input_ids, inputs_embeds, self.config.vocab_size, self.config.hidden_size)
@@ -773,179 +631,6 @@ class CompressiveModel(CompressivePreTrainedModel):
         if attention_mask is None:
             return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
         return check_mask(attention_mask, batch, (seq_len, seen + seq_len), seq_len).to(device=device)
-
-    def _relative_table(self, layer, length: int, like: torch.Tensor) -> torch.Tensor:
-        # [heads, d_head, length]: the layer's projected sinusoidal encodings of distances length - 1 ... 0, so that
-        # the K keys of any chunk read the last K columns (a view)
-        distances = torch.arange(length - 1, -1, -1, device=like.device)
-        return layer.relative_table(sinusoidal_embedding(distances, self.config.hidden_size).to(like.dtype))
-
-    # ------------------------------------------------------------------------------------------------------------
-    # The static form (StaticLayout): conversions and the one-token decoding step
-    # ------------------------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def _to_static(self, cache, like: torch.Tensor) -> None:
-        """Hands the cache its static layout (for one-token decoding steps), with what only the layers can compute:
-        each layer's relative table and the projections of its memories."""
-        config = self.config
-        layout = StaticLayout(
-            config.c_mem_len,
-            config.mem_len,
-            config.segment_length,
-            self.eviction_unit,
-            grouped=self.compresses and not self.track_usage,
-            margin=cache.crop_margin,
-        )
-        if cache.layers[0].is_empty:
-            for layer_state in cache.layers:
-                layer_state.init_empty(like.detach(), self.track_usage)
-        for layer, state in zip(self.layers, cache.layers):
-            if state.rel_table is None:
-                state.rel_table = self._relative_table(layer, self._capacity, state.mem)
-            if state.keys is None:
-                state.store_projected(*layer.project_memory(state.context()), self._capacity)
-        cache.to_static(layout)
-
-    def _decode_step(self, hidden_states, token_valid, cache, output_hidden_states, output_attentions, tokens_real):
-        """One token per row [batch, 1, hidden] through the cache's static form (see `DecodeStep`): each layer
-        attends the slot buffers the token was written into, then compresses what its row evicts."""
-        step = cache.decode_step(token_valid, tokens_real, self.layers)
-        layer_outputs, layer_attentions = [], []
-        for layer, state in zip(self.layers, cache.layers):
-            mask = step.write_token(state, hidden_states)  # [batch, 1, 1, slots]
-            out, _, _, _, weights = layer(
-                hidden_states,
-                state.rel_table,
-                memory_keys=state.ring_keys,
-                memory_values=state.ring_values,
-                attention_mask=mask,
-                need_weights=self.track_usage or output_attentions,
-                write_index=step.write,
-                key_columns=step.columns,
-            )
-            if output_attentions:
-                layer_attentions.append(step.slot_layout(weights))
-            step.compress_evicted(state, layer, weights)
-            layer_outputs.append(out)
-            hidden_states = out
-        step.finish()
-        return hidden_states, layer_outputs if output_hidden_states else None, layer_attentions
-
-    def _forward_chunk(
-        self, hidden_states, valid, cache, relative_tables, reconstruction_losses, recent_kv, output_attentions=False
-    ):
-        """One chunk (the rest of the current segment at most) through every layer, then the memory update of each
-        layer if the chunk completes the segment. With `output_attentions`, also each layer's attention
-        probabilities in the fixed slot layout of `_slot_layout`."""
-        config = self.config
-        q_len = hidden_states.shape[1]
-        first = cache.layers[0]
-        key_valid = torch.cat([first.context_valid(), valid], dim=1)  # [batch, K]: the same for every layer
-        k_len = key_valid.shape[1]
-        # query i sits at key position k_len - q_len + i: memories and earlier segment tokens visible, future not
-        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=valid.device).tril(k_len - q_len)
-        mask = key_valid[:, None, None, :] & causal  # [batch, 1, q, K]
-        completes_segment = first.pending.shape[1] + q_len == config.segment_length
-        reuse_projections = not torch.is_grad_enabled()
-        need_weights = self.track_usage or output_attentions
-
-        layer_outputs, layer_attentions = [], []
-        for index, (layer, state, table) in enumerate(zip(self.layers, cache.layers, relative_tables)):
-            relative = table[:, :, -k_len:]  # [heads, d_head, K], distances K-1 ... 0
-            if reuse_projections:
-                if state.keys is None:
-                    state.store_projected(*layer.project_memory(state.context()), self._capacity)
-                out, query, keys, values, weights = layer(
-                    hidden_states,
-                    relative,
-                    memory_keys=state.keys,
-                    memory_values=state.values,
-                    memory_length=state.projected_len,
-                    attention_mask=mask,
-                    need_weights=need_weights,
-                )
-            else:
-                tail = recent_kv[index]
-                if tail is not None:  # the memories' last rows are the previous chunk's inputs (the oldest may be gone)
-                    _, m_len, p_len = state.lengths()
-                    tail = tail[:, max(0, tail.shape[1] - m_len - p_len) :]
-                out, query, keys, values, weights = layer(
-                    hidden_states,
-                    relative,
-                    memory=state.context(),
-                    attention_mask=mask,
-                    need_weights=need_weights,
-                    memory_tail_kv=tail,
-                )
-                # this chunk's projection, as the raw [batch, q, 2 * hidden] layout of kv_proj
-                recent_kv[index] = torch.cat(
-                    [t[:, :, -q_len:].transpose(1, 2).flatten(2) for t in (keys, values)], dim=-1
-                ).detach()
-            starts_segment = state.pending.shape[1] == 0
-            if output_attentions:
-                layer_attentions.append(
-                    state.slot_layout(weights, config.c_mem_len, config.mem_len, config.segment_length)
-                )
-            state.append_chunk(hidden_states.detach(), valid, weights if self.track_usage else None)
-            if completes_segment:
-                # the chunk is the whole segment when it started one: its projections can serve the reconstruction
-                projections = (query, keys, values) if starts_segment else None
-                loss = self._update_memory(layer, state, projections)
-                if loss is not None:
-                    reconstruction_losses.append(loss)
-            layer_outputs.append(out)
-            hidden_states = out
-        return hidden_states, layer_outputs, layer_attentions
-
-    def _update_memory(self, layer, state, projections=None) -> torch.Tensor | None:
-        """The schedule after a complete segment: the cache layer hands back what the segment pushed out of its
-        memory; the layer's f_c compresses it (training f_c by the reconstruction loss, returned) and the entries go
-        back to the cache (dropped when c_mem_len = 0). `projections` (segment queries, keys/values of [c_mem,
-        mem, segment]) lets the reconstruction loss reuse what the layer already computed."""
-        config = self.config
-        eviction = state.complete_segment(config.mem_len, self.eviction_unit)
-        if eviction is None or not self.compresses:
-            if eviction is not None:
-                state.store_compressed(eviction)  # Transformer-XL: the evicted memories are dropped
-            return None
-        train_compression = self.training and torch.is_grad_enabled() and config.reconstruction_loss != "none"
-        with torch.set_grad_enabled(train_compression):
-            compressed, compressed_valid = layer.compress_memory(eviction.memories, eviction.valid, eviction.usage)
-        loss = None
-        if train_compression:
-            loss = self._reconstruction_loss(layer, eviction, compressed, compressed_valid, projections)
-        state.store_compressed(eviction, compressed.detach(), compressed_valid, config.c_mem_len, layer.project_memory)
-        return loss
-
-    def _reconstruction_loss(self, layer, eviction, compressed, compressed_valid, projections) -> torch.Tensor:
-        """The loss that trains f_c on one eviction: attention reconstruction (reusing the segment's queries and
-        the evicted keys/values when the layer computed them) or auto-encoding."""
-        if self.config.reconstruction_loss != "attention":
-            return layer.autoencoding_loss(eviction.memories, eviction.valid, compressed)
-        reused = None
-        if projections is not None:
-            query, all_keys, all_values = projections  # evicted = the first memories after c_mem
-            evicted_kv = slice(eviction.c_len, eviction.c_len + eviction.memories.shape[1])
-            reused = (query, all_keys[:, :, evicted_kv], all_values[:, :, evicted_kv])
-        return layer.attention_reconstruction_loss(
-            eviction.segment,
-            eviction.segment_valid,
-            eviction.memories,
-            eviction.valid,
-            compressed,
-            compressed_valid,
-            reused,
-        )
-
-
-def _concatenate_steps(steps, output_hidden_states: bool, output_attentions: bool):
-    """Decoding steps' (output [batch, 1, hidden], each layer's outputs, each layer's attention maps) -> the
-    `_run_layers` result over all of them (no reconstruction loss: decoding trains nothing)."""
-    outputs = torch.cat([out for out, _, _ in steps], dim=1)
-    hidden = [torch.cat(layer, dim=1) for layer in zip(*(h for _, h, _ in steps))] if output_hidden_states else []
-    maps = [torch.cat(layer, dim=2) for layer in zip(*(m for _, _, m in steps))] if output_attentions else None
-    return outputs, hidden, maps, []
 
 
 class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
