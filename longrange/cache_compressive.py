@@ -1,7 +1,8 @@
 """The Compressive model's memory cache, `CompressiveMemoryCache`: per layer the compressed memory, the memory and
 the unfinished segment ("pending"), in a compact form (multi-token forwards, training) or a static form
 (`StaticLayout`: fixed-size buffers and per-row counters updated in place, for decoding steps that compile to one
-graph). `modeling_compressive.py` applies the memory schedule to it.
+graph). The decoder layers apply the memory schedule to it (`CompressiveDecoderLayer.update_memory`), driven by
+the segment runner (`segments_compressive.py`).
 
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
@@ -13,7 +14,7 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache
 
-from .cache_compressive_static import DecodeStep, StaticLayout, to_compact, to_static
+from .cache_compressive_static import DecodeStep, StaticLayout, rewind, to_compact, to_static
 
 
 class CompressiveMemoryLayer:
@@ -489,27 +490,7 @@ class CompressiveMemoryCache(Cache):
             )
         if not self.is_static:
             raise ValueError("crop needs the cache's inference form: only caches of no-grad forwards can be cropped")
-        layout = self._layout
-        seen, pending, history = self.rows_seen, self.rows_pending, self.rows_history
-        undone = torch.where(count > pending, (count - pending - 1) // layout.segment_length + 1, 0)  # completions
-        slot = (layout.history - undone).clamp(0, layout.history - 1)
-        restored = history.gather(1, slot[:, None, None].expand(-1, 1, 2))[:, 0]  # [batch, 2]
-        rewind = undone > 0
-        if bool((rewind & (restored[:, 0] < 0)).any()):
-            raise ValueError(f"cannot crop {count} tokens: the segment completions to undo were not recorded")
-        self.rows_start.copy_(torch.where(rewind, restored[:, 0], self.rows_start))
-        self.rows_compressed.copy_(torch.where(rewind, restored[:, 1], self.rows_compressed))
-        self.rows_pending.copy_(pending - count + undone * layout.segment_length)
-        self.rows_seen.sub_(count)
-        # the undone completions leave the history: entries move back by `undone`
-        positions = torch.arange(layout.history, device=seen.device)[None] - undone[:, None]  # [batch, history]
-        kept = history.gather(1, positions.clamp_min(0)[..., None].expand(-1, -1, 2))
-        self.rows_history.copy_(torch.where((positions >= 0)[..., None], kept, -1))
-        self.seen_tokens -= count
-        self._step_geometry = None
-        self._host_rows = torch.stack(
-            [self.rows_seen, self.rows_start, self.rows_pending, self.rows_compressed], dim=1
-        ).tolist()
+        rewind(self, count)
 
 
 def _place(tensor: torch.Tensor, device) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The static (decoding) form of `CompressiveMemoryCache`: fixed-size slot buffers and per-row counters, updated in
 place, so that a one-token decoding step has fixed shapes, reads nothing back to the host and compiles to one graph.
 
-`StaticLayout` gives the sizes; `to_static` / `to_compact` convert a cache between its two forms; `DecodeStep`
-is one decoding step's plan (the new token's slot, what each slot's relative distance is, which rows evict what)
+`StaticLayout` gives the sizes; `to_static` / `to_compact` convert a cache between its two forms; `rewind` is
+`crop`'s work on the counters; `DecodeStep` is one decoding step's plan (the new token's slot, what each slot's relative distance is, which rows evict what)
 that the model's layers use while they attend, and that writes the step's memory update into the cache. The
 layers' compression functions reach this module only as the `compressor` argument (a decoder layer:
 `compress_memory`, `project_memory`, and its `compress` module).
@@ -233,6 +233,32 @@ def materialize_groups(cache, compressors) -> None:
                 buffer.scatter_(slot_dim(buffer), slot_index(buffer, group_slots), value)
                 setattr(state, name + suffix, buffer)
     cache._groups_ready = True
+
+
+def rewind(cache, count: int) -> None:
+    """`crop`'s work on the static form: the counters go back by `count` tokens of every row, to their values
+    before the segment completions undone (recorded in `rows_history`); the buffers still hold what they point to."""
+    layout = cache._layout
+    seen, pending, history = cache.rows_seen, cache.rows_pending, cache.rows_history
+    undone = torch.where(count > pending, (count - pending - 1) // layout.segment_length + 1, 0)  # completions
+    slot = (layout.history - undone).clamp(0, layout.history - 1)
+    restored = history.gather(1, slot[:, None, None].expand(-1, 1, 2))[:, 0]  # [batch, 2]
+    rewound = undone > 0
+    if bool((rewound & (restored[:, 0] < 0)).any()):
+        raise ValueError(f"cannot crop {count} tokens: the segment completions to undo were not recorded")
+    cache.rows_start.copy_(torch.where(rewound, restored[:, 0], cache.rows_start))
+    cache.rows_compressed.copy_(torch.where(rewound, restored[:, 1], cache.rows_compressed))
+    cache.rows_pending.copy_(pending - count + undone * layout.segment_length)
+    cache.rows_seen.sub_(count)
+    # the undone completions leave the history: entries move back by `undone`
+    positions = torch.arange(layout.history, device=seen.device)[None] - undone[:, None]  # [batch, history]
+    kept = history.gather(1, positions.clamp_min(0)[..., None].expand(-1, -1, 2))
+    cache.rows_history.copy_(torch.where((positions >= 0)[..., None], kept, -1))
+    cache.seen_tokens -= count
+    cache._step_geometry = None
+    cache._host_rows = torch.stack(
+        [cache.rows_seen, cache.rows_start, cache.rows_pending, cache.rows_compressed], dim=1
+    ).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The Compressive Transformer (Rae et al. 2019) as a transformers model.
 
-Read top to bottom: the compression functions `f_c`, Transformer-XL relative attention, the decoder layer, the
-PreTrainedModel, the base model (which runs long inputs segment by segment and applies the memory schedule to the
-cache) and the causal LM head. The memory cache, `CompressiveMemoryCache`, lives in `cache_compressive.py`.
+Read top to bottom: Transformer-XL relative attention, the decoder layer (which also updates its own memory after
+a complete segment), the PreTrainedModel, the base model (embed -> layers -> norm -> outputs) and the causal LM head.
+Elsewhere: the compression functions `f_c` in `compression.py`; the memory cache `CompressiveMemoryCache` in
+`cache_compressive.py` (its static decoding form in `cache_compressive_static.py`); how a call's tokens run through
+the layers segment by segment against the cache in `segments_compressive.py` (`SegmentRunner`).
 
 Memory schedule (per layer, after every complete segment, without gradient):
     mem = cat(mem, segment layer inputs)
@@ -528,7 +530,8 @@ class CompressivePreTrainedModel(PreTrainedModel):
 
 
 class CompressiveModel(CompressivePreTrainedModel):
-    """Embeddings, the decoder layers and the final norm; runs any input length segment by segment."""
+    """Embeddings, the decoder layers and the final norm; runs any input length segment by segment (the layers
+    step is `SegmentRunner.run`, see `segments_compressive.py`)."""
 
     def __init__(self, config: CompressiveConfig):
         super().__init__(config)
