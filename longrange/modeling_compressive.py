@@ -359,9 +359,11 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         distances = torch.arange(length - 1, -1, -1, device=like.device)
         return self.relative_table(sinusoidal_embedding(distances, self.hidden_size).to(like.dtype))
 
-    # What the segment runner and the cache call on a layer outside its forward: positions, the memory update
-    # and its loss. Each is a method of the layer (never a direct call of a submodule), so that under per-layer
-    # FSDP units it can gather the layer's parameters as forward does (`register_fsdp_methods`).
+    # The layer's parameters used outside its forward (by `update_memory`, `position_table` and the cache's static
+    # form): every such use goes through one of these methods (never a direct call of a submodule), so that under
+    # per-layer FSDP units it gathers the layer's parameters as forward does (`register_fsdp_methods`).
+    # `update_memory` and `position_table` touch parameters only through them and are not registered themselves
+    # (a nested FSDP method would reshard on return).
     FSDP_FORWARD_METHODS = (
         "relative_table",
         "project_memory",
