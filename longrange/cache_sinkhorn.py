@@ -371,6 +371,21 @@ class SinkhornCache(Cache):
             self.recorded = (torch.cat([old_embeds, embeds.detach()], 1), torch.cat([old_positions, positions], 1),
                              context, context_mask)  # fmt: skip
 
+    def record_step_inputs(self, embeds, positions, mask):
+        """Records a cached step's inputs (embeddings [b, n, e], position ids and padding mask [b, n]) -> those of
+        every token given so far, for a forward without the cache that gives the step's attention maps
+        (`SinkhornModel._step_with_attentions`): (embeddings, position ids, mask, context, context mask)."""
+        if self.recorded is None:
+            raise ValueError(
+                "SinkhornModel: output_attentions on tokens fed on top of a filled cache needs the forward that "
+                "filled it to ask for output_attentions too"
+            )
+        past = self.recorded[0].shape[1]
+        full_mask = torch.cat([self.token_mask[:, :past], mask], dim=1)
+        self.record_inputs(embeds, positions)
+        all_embeds, all_positions, context, context_mask = self.recorded
+        return all_embeds, all_positions, full_mask, context, context_mask
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
 

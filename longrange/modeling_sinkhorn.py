@@ -778,196 +778,57 @@ class SinkhornModel(SinkhornPreTrainedModel):
         output_attentions: bool | None = None,
         **kwargs,
     ) -> SinkhornModelOutput:
-        config = self.config
-        if output_attentions is None:
-            output_attentions = getattr(config, "output_attentions", False)
-        if output_attentions and self.training and config.layer_dropout > 0:
-            raise ValueError(
-                "SinkhornModel: output_attentions with layer_dropout > 0 in training mode is not supported (a "
-                "dropped layer attends nothing); call model.eval() first"
-            )
-        batch, length = check_tokens(input_ids, inputs_embeds, config.vocab_size, config.embedding_size)
-        cache = cache if cache is not None else past_key_values
-        if cache is not None:
-            check_cache(cache, "sinkhorn", batch, cache.batch_size if isinstance(cache, SinkhornCache) else 0)
-        # a cache is for generation: by default none in training mode, and only a causal model can use one
-        if use_cache is None:
-            use_cache = config.use_cache and not self.training
-        use_cache = use_cache and config.causal
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        if output_hidden_states and config.reversible:
-            raise ValueError("SinkhornModel: output_hidden_states is not available with reversible=True")
-        if encoder_hidden_states is not None and not config.receives_context:
-            raise ValueError("SinkhornModel: encoder_hidden_states needs a config with receives_context=True")
-        if (
-            config.receives_context
-            and encoder_hidden_states is None
-            and not (isinstance(cache, SinkhornCache) and cache.prefilled)
-        ):
-            raise ValueError("SinkhornModel: receives_context=True needs encoder_hidden_states (the context)")
-        if cache is not None and not isinstance(cache, SinkhornCache):
-            if cache.get_seq_length() > 0:
-                raise ValueError(f"SinkhornModel: expected a SinkhornCache, got a filled {type(cache).__name__}")
-            # an empty generic cache (e.g. from EncoderDecoderModel.generate): use our own, not marked compileable,
-            # since that caller would then build transformers' 4-D attention masks from it
-            cache = SinkhornCache(config, compileable=False) if use_cache else None
-        elif use_cache and cache is None:
-            cache = SinkhornCache(config)
-        if not use_cache:
-            cache = None
-
+        output_attentions, output_hidden_states = self._output_options(output_attentions, output_hidden_states)
+        batch, length = check_tokens(input_ids, inputs_embeds, self.config.vocab_size, self.config.embedding_size)
+        cache = self._cache_for(cache if cache is not None else past_key_values, use_cache, batch)
+        self._check_context(encoder_hidden_states, cache)
         stepping = cache is not None and cache.prefilled
-        # tokens given before (host count; unknown after compiled steps, which check nothing here)
-        past = (cache._seen_host if stepping else 0) if not torch.compiler.is_compiling() else None
-        if past is not None and past + length > config.max_position_embeddings:
-            raise ValueError(
-                f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings "
-                f"({config.max_position_embeddings})"
-            )
-        if attention_mask is not None:  # generate() passes the mask of the whole sequence so far
-            so_far = past + length if past is not None else getattr(attention_mask, "shape", (0, length))[-1]
-            attention_mask = check_mask(attention_mask, batch, (length, so_far) if stepping else (length,), length)
-
-        if output_attentions and stepping:  # the slow explicit path, only when asked
+        attention_mask = self._check_length_and_mask(attention_mask, batch, length, cache if stepping else None)
+        if stepping and output_attentions:  # the slow explicit path, only when asked
             return self._step_with_attentions(
                 input_ids, inputs_embeds, attention_mask, position_ids, cache, output_hidden_states
             )
-        # several new tokens on top of a filled cache: feed them one at a time (exact, generation-only path)
-        if stepping and length > 1:
-            outputs = []
-            for t in range(length):
-                out = self.forward(
-                    input_ids=input_ids[:, t : t + 1] if input_ids is not None else None,
-                    inputs_embeds=inputs_embeds[:, t : t + 1] if inputs_embeds is not None else None,
-                    attention_mask=attention_mask[:, t : t + 1] if attention_mask is not None else None,
-                    position_ids=position_ids[:, t : t + 1] if position_ids is not None else None,
-                    encoder_hidden_states=encoder_hidden_states,
-                    encoder_attention_mask=encoder_attention_mask,
-                    cache=cache,
-                    use_cache=True,
-                    return_dict=True,
-                )
-                outputs.append(out.last_hidden_state)
-            return SinkhornModelOutput(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
+        if stepping and length > 1:  # several new tokens on a filled cache: one at a time (exact, generation only)
+            return self._step_one_at_a_time(input_ids, inputs_embeds, attention_mask, position_ids, cache)
 
         device = (input_ids if input_ids is not None else inputs_embeds).device
         mask = (
             attention_mask if attention_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
         )
-        if position_ids is None:
+        if position_ids is None:  # positions count real tokens only
             before = cache.lengths[:, None] if stepping else 0
-            position_ids = (before + mask.long().cumsum(1) - 1).clamp_min(0)
+            position_ids = (before + mask.long().cumsum(1) - 1).clamp_min(0)  # [b, L]
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)  # [b, L, emb]
         if output_attentions and cache is not None:  # what later cached steps need for their attention maps
             cache.record_inputs(inputs_embeds, position_ids, encoder_hidden_states, encoder_attention_mask)
-        hidden = inputs_embeds + self.embed_positions(position_ids.clamp_max(config.max_position_embeddings - 1))
-        hidden = self.emb_dropout(hidden)
-        if self.project_in is not None:
-            hidden = self.project_in(hidden)
-
+        hidden = self._embed(inputs_embeds, position_ids)  # [b, L, hidden]
         context = context_mask = None
         if encoder_hidden_states is not None and not stepping:
             context, context_mask = self._pad_context(encoder_hidden_states, encoder_attention_mask)
 
-        # buckets start at each row's first real token: the real tokens of every row move to the front (in order),
-        # the outputs go back to their places at the end, so a row's outputs depend neither on its padding nor on
-        # the other rows
-        back = None
         if stepping:
             cache.begin_step(mask[:, 0])
-            padded_mask = mask
+            order, padded_mask = None, mask
         else:
             if cache is not None:
                 cache.begin_prefill(mask)
-            if attention_mask is not None:
-                order = real_tokens_first(mask)  # [b, L]
-                back = order.argsort(dim=1)
-                hidden, mask = _permute_tokens(hidden, order), mask.gather(1, order)
-            pad = (-length) % config.bucket_size
-            hidden = F.pad(hidden, (0, 0, 0, pad))
-            padded_mask = F.pad(mask, (0, pad), value=False)
+            order = real_tokens_first(mask) if attention_mask is not None else None  # [b, L]
+            hidden, padded_mask = self._real_tokens_first_in_buckets(hidden, mask, order)  # [b, L', hidden], [b, L']
+        back = None if order is None else order.argsort(dim=1)  # [b, L]: each token's place in the given order
+        looks = [{} if output_attentions else None for _ in range(self.config.num_hidden_layers)]
+        shared = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
+        hidden, all_hidden = self._run_layers(hidden, shared, cache, looks, length, back, output_hidden_states)
+        hidden = self.norm(_permute_tokens(hidden[:, :length], back))  # [b, L, hidden] in the given order
 
-        # layer dropout: the residual stack drops a layer by discarding its output on the device (no host read, so
-        # a training step never waits for the device; the layer is still computed). The reversible stack needs the
-        # choice on the host to make the block an identity: it draws it on the CPU (a host-side read, no device sync)
-        layer_drop = self.training and config.layer_dropout > 0
-        skip = [False] * config.num_hidden_layers
-        keep = None
-        if layer_drop and self._reversible is not None:
-            skip = (torch.rand(config.num_hidden_layers) < config.layer_dropout).tolist()
-        elif layer_drop:
-            keep = torch.rand(config.num_hidden_layers, device=hidden.device) >= config.layer_dropout
-
-        all_hidden = (_permute_tokens(hidden[:, :length], back),) if output_hidden_states else None
-        looks = [{} if output_attentions else None for _ in range(config.num_hidden_layers)]
-        if self._reversible is not None and cache is None and not output_attentions:
-            per_layer = len(self.layers[0].blocks())
-            block_skip = [s for s in skip for _ in range(per_layer)]
-            f_kwargs = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
-            y1, y2 = self._reversible[0](hidden, hidden, f_kwargs=f_kwargs, skip=block_skip)
-            hidden = (y1 + y2) / 2
-        elif self._reversible is not None:
-            # with a cache or output_attentions: the same two-stream computation as a plain loop (blocks write the
-            # cache, the attention weights)
-            x1 = x2 = hidden
-            for depth in range(config.num_hidden_layers):
-                if skip[depth]:
-                    continue
-                layer, ff = self._layer_at(depth)
-                kwargs_f = dict(
-                    attention_mask=padded_mask,
-                    context=context,
-                    context_mask=context_mask,
-                    layer_cache=cache.layers[depth] if cache is not None else None,
-                    attn_weights=looks[depth],
-                )
-                for f, g in layer.blocks(ff):
-                    x1 = x1 + f(x2, **kwargs_f)
-                    x2 = x2 + g(x1)
-            hidden = (x1 + x2) / 2
-        else:
-            for depth in range(config.num_hidden_layers):
-                layer, ff = self._layer_at(depth)
-                out = layer(
-                    hidden,
-                    attention_mask=padded_mask,
-                    context=context,
-                    context_mask=context_mask,
-                    layer_cache=cache.layers[depth] if cache is not None else None,
-                    feed_forward=ff,
-                    attn_weights=looks[depth],
-                )
-                hidden = out if keep is None else torch.where(keep[depth], out, hidden)
-                if output_hidden_states:
-                    all_hidden = all_hidden + (_permute_tokens(hidden[:, :length], back),)
-        hidden = self.norm(_permute_tokens(hidden[:, :length], back))
-
-        if cache is not None:
-            if stepping:
-                cache.end_step(mask[:, 0])
-            else:
-                cache.end_prefill()
-        attentions = cross_attentions = routing = None
-        if output_attentions:
-            # (maps in the order of the given tokens; routing in each row's bucket grid of its real tokens)
-            attentions = tuple(_permute_map(look["map"][:, :, :length, :length], back, keys=True) for look in looks)
-            routing = tuple(
-                SinkhornRouting(
-                    key_buckets=look["route"],
-                    weights=look["route_weight"],
-                    offsets=look["offset"],
-                    null_attention=None
-                    if look["null"] is None
-                    else _permute_map(look["null"][:, :, :length], back, keys=False),
-                )
-                for look in looks
-            )
-            if context is not None:
-                lc = encoder_hidden_states.shape[1]
-                cross_attentions = tuple(
-                    _permute_map(look["cross"]["map"][:, :, :length, :lc], back, keys=False) for look in looks
-                )
+        if stepping:
+            cache.end_step(mask[:, 0])
+        elif cache is not None:
+            cache.end_prefill()
+        lc = encoder_hidden_states.shape[1] if context is not None else None
+        attentions, cross_attentions, routing = (
+            _attention_outputs(looks, back, length, lc) if output_attentions else (None,) * 3
+        )
         return SinkhornModelOutput(
             last_hidden_state=hidden,
             cache=cache,
@@ -977,25 +838,167 @@ class SinkhornModel(SinkhornPreTrainedModel):
             routing=routing,
         )
 
+    # -- the forward's steps, in its order ---------------------------------------------------------------------------
+
+    def _output_options(self, output_attentions, output_hidden_states) -> tuple[bool, bool]:
+        config = self.config
+        if output_attentions is None:
+            output_attentions = getattr(config, "output_attentions", False)
+        if output_attentions and self.training and config.layer_dropout > 0:
+            raise ValueError(
+                "SinkhornModel: output_attentions with layer_dropout > 0 in training mode is not supported (a "
+                "dropped layer attends nothing); call model.eval() first"
+            )
+        if output_hidden_states is None:
+            output_hidden_states = config.output_hidden_states
+        if output_hidden_states and config.reversible:
+            raise ValueError("SinkhornModel: output_hidden_states is not available with reversible=True")
+        return output_attentions, output_hidden_states
+
+    def _cache_for(self, cache, use_cache, batch: int) -> SinkhornCache | None:
+        """The SinkhornCache this call fills or steps, or None. A cache is for generation: by default none in
+        training mode, and only a causal model uses one. An empty generic cache (e.g. from
+        EncoderDecoderModel.generate) is replaced by our own, not marked compileable, since that caller would then
+        build transformers' 4-D attention masks from it."""
+        config = self.config
+        if cache is not None:
+            check_cache(cache, "sinkhorn", batch, cache.batch_size if isinstance(cache, SinkhornCache) else 0)
+        if use_cache is None:
+            use_cache = config.use_cache and not self.training
+        use_cache = use_cache and config.causal
+        if cache is not None and not isinstance(cache, SinkhornCache):
+            if cache.get_seq_length() > 0:
+                raise ValueError(f"SinkhornModel: expected a SinkhornCache, got a filled {type(cache).__name__}")
+            cache = SinkhornCache(config, compileable=False) if use_cache else None
+        elif use_cache and cache is None:
+            cache = SinkhornCache(config)
+        return cache if use_cache else None
+
+    def _check_context(self, encoder_hidden_states, cache) -> None:
+        if encoder_hidden_states is not None and not self.config.receives_context:
+            raise ValueError("SinkhornModel: encoder_hidden_states needs a config with receives_context=True")
+        filled = cache is not None and cache.prefilled  # (a filled cache keeps the context)
+        if self.config.receives_context and encoder_hidden_states is None and not filled:
+            raise ValueError("SinkhornModel: receives_context=True needs encoder_hidden_states (the context)")
+
+    def _check_length_and_mask(self, attention_mask, batch: int, length: int, filled: SinkhornCache | None):
+        """Refuses sequences longer than the position table; the padding mask of the new tokens (generate() passes
+        the mask of the whole sequence so far) as bool, or None. `filled`: the cache being stepped."""
+        # tokens given before (host count; unknown after compiled steps, which check nothing here)
+        past = None if torch.compiler.is_compiling() else (filled._seen_host if filled is not None else 0)
+        limit = self.config.max_position_embeddings
+        if past is not None and past + length > limit:
+            raise ValueError(
+                f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings ({limit})"
+            )
+        if attention_mask is None:
+            return None
+        so_far = past + length if past is not None else getattr(attention_mask, "shape", (0, length))[-1]
+        return check_mask(attention_mask, batch, (length, so_far) if filled is not None else (length,), length)
+
+    def _embed(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings plus positions, dropout, and the projection to the layers' width (factorised `emb_dim`)."""
+        positions = position_ids.clamp_max(self.config.max_position_embeddings - 1)
+        hidden = self.emb_dropout(inputs_embeds + self.embed_positions(positions))  # [b, L, emb]
+        return self.project_in(hidden) if self.project_in is not None else hidden
+
+    def _pad_context(self, context: torch.Tensor, context_mask: torch.Tensor | None):
+        """The encoder states and their mask, padded to whole context buckets."""
+        b, lc, _ = context.shape
+        if context_mask is not None:
+            mask = check_mask(context_mask, b, (lc,), lc, "encoder_attention_mask")
+        else:
+            mask = torch.ones(b, lc, dtype=torch.bool, device=context.device)
+        pad = (-lc) % self.config.context_bucket
+        return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
+
+    def _real_tokens_first_in_buckets(self, hidden, mask, order):
+        """Buckets start at each row's first real token: the real tokens of every row move to the front, in order
+        (`order` [b, L], None: no padding given), so a row's outputs depend neither on its padding nor on the other
+        rows; then the sequence is padded to whole buckets -> hidden [b, L', e], its mask [b, L'] (L' >= L)."""
+        if order is not None:
+            hidden, mask = _permute_tokens(hidden, order), mask.gather(1, order)
+        pad = (-hidden.shape[1]) % self.config.bucket_size
+        return F.pad(hidden, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
+
+    def _run_layers(self, hidden, shared: dict, cache, looks: list, length: int, back, output_hidden_states: bool):
+        """The layer stack -> (hidden [b, L', e], hidden states of every layer or None). `shared`: the kwargs every
+        layer gets (masks, context); each layer also gets its cache layer and its attention-map dict (`looks`).
+        Reversible layers run as one two-stream stack (reversible.py), the others as residual layers."""
+        per_layer = [
+            dict(layer_cache=cache.layers[depth] if cache is not None else None, attn_weights=looks[depth])
+            for depth in range(self.config.num_hidden_layers)
+        ]
+        if self._reversible is not None:
+            # layer dropout makes a dropped block an identity: the choice is drawn on the CPU (no device sync)
+            skip = [False] * self.config.num_hidden_layers
+            if self.training and self.config.layer_dropout > 0:
+                skip = (torch.rand(self.config.num_hidden_layers) < self.config.layer_dropout).tolist()
+            per_block = len(self.layers[0].blocks())
+            writes = cache is not None or looks[0] is not None  # blocks that fill a cache or maps run exactly once
+            block_kwargs = [kwargs for kwargs in per_layer for _ in range(per_block)] if writes else None
+            block_skip = [s for s in skip for _ in range(per_block)]
+            return self._reversible[0].run(hidden, shared, block_skip, block_kwargs), None
+        return self._residual_layers(hidden, shared, per_layer, length, back, output_hidden_states)
+
+    def _residual_layers(self, hidden, shared, per_layer, length, back, output_hidden_states):
+        """x = x + f(x); x = x + g(x) per block, layer by layer (each layer a gradient-checkpointing unit). Layer
+        dropout discards a dropped layer's output on the device (no host read, so a training step never waits for
+        the device; the layer is still computed)."""
+        keep = None
+        if self.training and self.config.layer_dropout > 0:
+            keep = torch.rand(self.config.num_hidden_layers, device=hidden.device) >= self.config.layer_dropout
+
+        def given_order(h):  # [b, L, e] in the order of the given tokens
+            return _permute_tokens(h[:, :length], back)
+
+        all_hidden = (given_order(hidden),) if output_hidden_states else None
+        for depth, kwargs in enumerate(per_layer):
+            layer, ff = self._layer_at(depth)
+            out = layer(hidden, **shared, **kwargs, feed_forward=ff)
+            hidden = out if keep is None else torch.where(keep[depth], out, hidden)
+            if output_hidden_states:
+                all_hidden = all_hidden + (given_order(hidden),)
+        return hidden, all_hidden
+
+    # -- tokens on a filled cache, outside the one-token step ---------------------------------------------------------
+
+    def _step_one_at_a_time(self, input_ids, inputs_embeds, attention_mask, position_ids, cache):
+        """Several new tokens on top of a filled cache: fed one at a time (exact; generation-only path)."""
+
+        def column(t, i):
+            return t[:, i : i + 1] if t is not None else None
+
+        outputs = []
+        for i in range((input_ids if input_ids is not None else inputs_embeds).shape[1]):
+            out = self.forward(
+                input_ids=column(input_ids, i),
+                inputs_embeds=column(inputs_embeds, i),
+                attention_mask=column(attention_mask, i),
+                position_ids=column(position_ids, i),
+                cache=cache,
+                use_cache=True,
+                return_dict=True,
+            )
+            outputs.append(out.last_hidden_state)
+        return SinkhornModelOutput(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
+
     def _step_with_attentions(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, hidden_states):
         """Tokens on top of a filled cache with output_attentions: the cached step gives the outputs, and the new
         tokens' attention rows [batch, heads, new, all tokens so far] come from a forward over every token given so
         far without the cache (the cache records their embeddings and positions while maps are asked for; cached
         and uncached forwards give the same numbers). Slow, and only when asked."""
-        if cache.recorded is None:
-            raise ValueError(
-                "SinkhornModel: output_attentions on tokens fed on top of a filled cache needs the forward that "
-                "filled it to ask for output_attentions too"
-            )
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        new = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
-        mask = attention_mask if attention_mask is not None else new
+        mask = (
+            attention_mask
+            if attention_mask is not None
+            else torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        )
         if position_ids is None:  # as the step computes them
             position_ids = (cache.lengths[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
-        past = cache.recorded[0].shape[1]
-        full_mask = torch.cat([cache.token_mask[:, :past], mask], dim=1)
-        cache.record_inputs(embeds, position_ids)
-        all_embeds, all_positions, context, context_mask = cache.recorded
+        all_embeds, all_positions, full_mask, context, context_mask = cache.record_step_inputs(
+            embeds, position_ids, mask
+        )
         full = self.forward(
             inputs_embeds=all_embeds, attention_mask=full_mask, position_ids=all_positions,
             encoder_hidden_states=context, encoder_attention_mask=context_mask, use_cache=False,
@@ -1016,14 +1019,28 @@ class SinkhornModel(SinkhornPreTrainedModel):
             else tuple(a[:, :, -length:] for a in full.cross_attentions),
         )
 
-    def _pad_context(self, context: torch.Tensor, context_mask: torch.Tensor | None):
-        b, lc, _ = context.shape
-        if context_mask is not None:
-            mask = check_mask(context_mask, b, (lc,), lc, "encoder_attention_mask")
-        else:
-            mask = torch.ones(b, lc, dtype=torch.bool, device=context.device)
-        pad = (-lc) % self.config.context_bucket
-        return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
+
+def _attention_outputs(looks: list[dict], back, length: int, context_length: int | None):
+    """The layers' attention dicts -> (attentions, cross_attentions or None, routing): maps in the order of the
+    given tokens; routing in each row's bucket grid of its real tokens."""
+    attentions = tuple(_permute_map(look["map"][:, :, :length, :length], back, keys=True) for look in looks)
+    routing = tuple(
+        SinkhornRouting(
+            key_buckets=look["route"],
+            weights=look["route_weight"],
+            offsets=look["offset"],
+            null_attention=None
+            if look["null"] is None
+            else _permute_map(look["null"][:, :, :length], back, keys=False),
+        )
+        for look in looks
+    )
+    cross_attentions = None
+    if context_length is not None:
+        cross_attentions = tuple(
+            _permute_map(look["cross"]["map"][:, :, :length, :context_length], back, keys=False) for look in looks
+        )
+    return attentions, cross_attentions, routing
 
 
 class _SinkhornLanguageModel(SinkhornPreTrainedModel):
