@@ -796,8 +796,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
             attention_mask if attention_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
         )
         if position_ids is None:  # positions count real tokens only
-            before = cache.lengths[:, None] if stepping else 0
-            position_ids = (before + mask.long().cumsum(1) - 1).clamp_min(0)  # [b, L]
+            position_ids = _position_ids(mask, cache.lengths[:, None] if stepping else 0)  # [b, L]
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [b, L, emb]
         if output_attentions and cache is not None:  # what later cached steps need for their attention maps
@@ -806,16 +805,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
         context = context_mask = None
         if encoder_hidden_states is not None and not stepping:
             context, context_mask = self._pad_context(encoder_hidden_states, encoder_attention_mask)
+        hidden, padded_mask, back = self._enter_buckets(hidden, mask, attention_mask is not None, cache, stepping)
 
-        if stepping:
-            cache.begin_step(mask[:, 0])
-            order, padded_mask = None, mask
-        else:
-            if cache is not None:
-                cache.begin_prefill(mask)
-            order = real_tokens_first(mask) if attention_mask is not None else None  # [b, L]
-            hidden, padded_mask = self._real_tokens_first_in_buckets(hidden, mask, order)  # [b, L', hidden], [b, L']
-        back = None if order is None else order.argsort(dim=1)  # [b, L]: each token's place in the given order
         looks = [{} if output_attentions else None for _ in range(self.config.num_hidden_layers)]
         shared = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
         hidden, all_hidden = self._run_layers(hidden, shared, cache, looks, length, back, output_hidden_states)
@@ -825,18 +816,9 @@ class SinkhornModel(SinkhornPreTrainedModel):
             cache.end_step(mask[:, 0])
         elif cache is not None:
             cache.end_prefill()
-        lc = encoder_hidden_states.shape[1] if context is not None else None
-        attentions, cross_attentions, routing = (
-            _attention_outputs(looks, back, length, lc) if output_attentions else (None,) * 3
-        )
-        return SinkhornModelOutput(
-            last_hidden_state=hidden,
-            cache=cache,
-            hidden_states=all_hidden,
-            attentions=attentions,
-            cross_attentions=cross_attentions,
-            routing=routing,
-        )
+        context_length = encoder_hidden_states.shape[1] if context is not None else None
+        maps = _attention_outputs(looks, back, length, context_length) if output_attentions else {}
+        return SinkhornModelOutput(last_hidden_state=hidden, cache=cache, hidden_states=all_hidden, **maps)
 
     # -- the forward's steps, in its order ---------------------------------------------------------------------------
 
@@ -912,14 +894,25 @@ class SinkhornModel(SinkhornPreTrainedModel):
         pad = (-lc) % self.config.context_bucket
         return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
 
-    def _real_tokens_first_in_buckets(self, hidden, mask, order):
-        """Buckets start at each row's first real token: the real tokens of every row move to the front, in order
-        (`order` [b, L], None: no padding given), so a row's outputs depend neither on its padding nor on the other
-        rows; then the sequence is padded to whole buckets -> hidden [b, L', e], its mask [b, L'] (L' >= L)."""
-        if order is not None:
+    def _enter_buckets(self, hidden, mask, padding_given: bool, cache, stepping: bool):
+        """The layers' token layout -> hidden [b, L', e], its mask [b, L'] and the order that gives the tokens back
+        ([b, L], None: unchanged); the cache starts the call (a prefill or a step).
+
+        Buckets start at each row's first real token: the real tokens of every row move to the front, in order,
+        so a row's outputs depend neither on its padding nor on the other rows (`real_tokens_first`); then the
+        sequence is padded to whole buckets (L' >= L). A cached step's one token needs neither."""
+        if stepping:
+            cache.begin_step(mask[:, 0])
+            return hidden, mask, None
+        if cache is not None:
+            cache.begin_prefill(mask)
+        back = None
+        if padding_given:
+            order = real_tokens_first(mask)  # [b, L]
+            back = order.argsort(dim=1)  # [b, L]: each token's place in the given order
             hidden, mask = _permute_tokens(hidden, order), mask.gather(1, order)
         pad = (-hidden.shape[1]) % self.config.bucket_size
-        return F.pad(hidden, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
+        return F.pad(hidden, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False), back
 
     def _run_layers(self, hidden, shared: dict, cache, looks: list, length: int, back, output_hidden_states: bool):
         """The layer stack -> (hidden [b, L', e], hidden states of every layer or None). `shared`: the kwargs every
@@ -995,7 +988,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
             else torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
         )
         if position_ids is None:  # as the step computes them
-            position_ids = (cache.lengths[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
+            position_ids = _position_ids(mask, cache.lengths[:, None])
         all_embeds, all_positions, full_mask, context, context_mask = cache.record_step_inputs(
             embeds, position_ids, mask
         )
@@ -1020,27 +1013,35 @@ class SinkhornModel(SinkhornPreTrainedModel):
         )
 
 
-def _attention_outputs(looks: list[dict], back, length: int, context_length: int | None):
-    """The layers' attention dicts -> (attentions, cross_attentions or None, routing): maps in the order of the
-    given tokens; routing in each row's bucket grid of its real tokens."""
-    attentions = tuple(_permute_map(look["map"][:, :, :length, :length], back, keys=True) for look in looks)
+def _position_ids(mask: torch.Tensor, before) -> torch.Tensor:
+    """Position ids [b, L] of new tokens that count real tokens only: `before` (0, or [b, 1] real tokens cached)
+    plus the real tokens up to each one (padding takes its neighbour's, clamped at 0)."""
+    return (before + mask.long().cumsum(1) - 1).clamp_min(0)
+
+
+def _attention_outputs(looks: list[dict], back, length: int, context_length: int | None) -> dict:
+    """The layers' attention dicts -> the output's attentions, cross_attentions (None without a context) and
+    routing: maps in the order of the given tokens; routing in each row's bucket grid of its real tokens."""
+
+    def given_order(t, keys):
+        return _permute_map(t, back, keys=keys)
+
+    attentions = tuple(given_order(look["map"][:, :, :length, :length], True) for look in looks)
     routing = tuple(
         SinkhornRouting(
             key_buckets=look["route"],
             weights=look["route_weight"],
             offsets=look["offset"],
-            null_attention=None
-            if look["null"] is None
-            else _permute_map(look["null"][:, :, :length], back, keys=False),
+            null_attention=None if look["null"] is None else given_order(look["null"][:, :, :length], False),
         )
         for look in looks
     )
     cross_attentions = None
     if context_length is not None:
         cross_attentions = tuple(
-            _permute_map(look["cross"]["map"][:, :, :length, :context_length], back, keys=False) for look in looks
+            given_order(look["cross"]["map"][:, :, :length, :context_length], False) for look in looks
         )
-    return attentions, cross_attentions, routing
+    return dict(attentions=attentions, cross_attentions=cross_attentions, routing=routing)
 
 
 class _SinkhornLanguageModel(SinkhornPreTrainedModel):
