@@ -7,6 +7,7 @@ Only same-folder relative imports: `save_pretrained` copies this file next to th
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +44,22 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         torch._dynamo.mark_static_address(t)
     return t
+
+
+class DecodingStep(NamedTuple):
+    """What a layer needs to know about the decoding step under way (one new token per row).
+
+    position: [b] long, each row's real tokens so far (the new token's position and cache slot - origin);
+    real: [b] bool, whether the row's new token is real (padding enters no summary and moves no position);
+    host: None (a static step), or (positions, reals, epoch, memo) in a host-following step: the same numbers as
+        Python lists, the cache's epoch (working windows built before it are stale) and a dict in which the
+        step's head groups share index tensors (see `CausalSinkhornHeads.step`);
+    origin: the key/value slot of position 0."""
+
+    position: torch.Tensor
+    real: torch.Tensor
+    host: tuple | None
+    origin: int
 
 
 class SinkhornLayerState:
@@ -131,12 +148,20 @@ class SinkhornLayerState:
         self.cross_state = _map_state(self._routing_state(q, record, u), _static)
         self.cross_heads = heads
 
-    def append_kv(self, k, v, position):
-        """Write the new token's keys/values [b, H, 1, d] at each row's `position` [b], in place."""
-        slot = (position + self.owner.origin)[:, None]
+    @property
+    def step(self) -> DecodingStep:
+        """The decoding step under way (positions, real tokens, the host's view of them; see `SinkhornCache`)."""
+        return self.owner.step
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DecodingStep]:
+        """transformers' `Cache.update` for a decoding step: writes the new token's keys/values [b, H, 1, d] at each
+        row's position, in place -> the layer's whole key and value bank [b, H, slots, d] (null buckets, then
+        each row's real tokens from slot `origin` on) and the step."""
+        step = self.owner.step
+        slot = (step.position + step.origin)[:, None]
         put_along(self.keys, 2, slot, k)
         put_along(self.values, 2, slot, v)
-        return self.keys, self.values
+        return self.keys, self.values, step
 
     def resize(self, capacity: int, bucket_capacity: int) -> None:
         """Grow every per-token and per-bucket buffer (eager calls only: shapes change)."""
@@ -296,6 +321,12 @@ class SinkhornCache(Cache):
             self._compiled_step = True  # (written, never read, in the graph: no guard on it)
         elif self._seen_host is not None:
             self._seen_host += 1
+
+    @property
+    def step(self) -> DecodingStep:
+        """The decoding step under way (between `begin_step` and `end_step`)."""
+        host = None if self.step_host is None else (*self.step_host, self.host_epoch, self.step_memo)
+        return DecodingStep(self.lengths, self.step_real, host, self.origin)
 
     @property
     def follows_host(self) -> bool:
