@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import put_along
-from .sinkhorn_heads import bucket_sums
+from .sinkhorn_routing import bucket_sums
 
 
 def _grow(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
