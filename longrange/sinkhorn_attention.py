@@ -216,8 +216,7 @@ class SinkhornSelfAttention(nn.Module):
             if isinstance(group, LocalHeads):
                 outs.append(group.step(q[:, s:e], keys, values, heads, step.position, step.origin))
             else:
-                args = (q[:, s:e], k[:, s:e], v[:, s:e], keys, values, heads, step.position, step.real, state)
-                outs.append(group.step(*args, step.host))
+                outs.append(group.step(q[:, s:e], k[:, s:e], v[:, s:e], keys, values, heads, step, state))
         return torch.cat(outs, dim=1)
 
 
@@ -278,8 +277,7 @@ class SinkhornCrossAttention(nn.Module):
         b, length, _ = hidden_states.shape
         q = self._heads(self.to_q(hidden_states))
         if layer_cache is not None and layer_cache.is_stepping:
-            step = layer_cache.step
-            out = self.heads.cross_step(q, step.position, step.real, layer_cache.cross_state, layer_cache.context)
+            out = self.heads.cross_step(q, layer_cache.step, layer_cache.cross_state, layer_cache.context)
         else:
             k, v = (self._heads(t) for t in self.to_kv(context).chunk(2, dim=-1))  # [b, H, Lc, d]
             if self.causal:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import attend, put_along
+from .layers import attend
 from .sinkhorn_routing import (
     additive,
     attend_buckets,
@@ -557,8 +557,9 @@ class CausalSinkhornHeads(nn.Module):
                 record["k_run_count"] = counted.sum(1).float()  # [b]
 
     # -- one token with a cache --------------------------------------------------------------------------------
-    # Static shapes and no host reads: every step computes a routing choice and keeps it only in the rows whose
-    # token leads a bucket (torch.where); positions are per-row tensors.
+    # The cache keeps the routing state (`RoutingState`, cache_sinkhorn.py) and answers with summaries and the keys
+    # and values to attend; the heads choose. Static shapes and no host reads: every step computes a routing choice
+    # and keeps it only in the rows whose token leads a bucket (torch.where); positions are per-row tensors.
 
     def _select(self, scores, valid, n_sel):
         """`select_buckets` with this group's routing options (a causal group never runs Sinkhorn balancing)."""
@@ -571,7 +572,7 @@ class CausalSinkhornHeads(nn.Module):
             sequential=self.sequential_weights,
         )
 
-    def _choose(self, sq, sk, valid_real):
+    def choose(self, sq, sk, valid_real):
         """Routing of one query bucket per row from the query summary sq [b, h, d] over the key-bucket summaries
         sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
         unless weight_routed_values), each [b, h, n_sel]."""
@@ -595,198 +596,39 @@ class CausalSinkhornHeads(nn.Module):
         idx, picked_valid, weight = self._select(scores, valid, n_sel)
         return idx[:, :, 0], picked_valid[:, :, 0], weight[:, :, 0] if self.weight_routed_values else None
 
-    def _key_summaries(self, state, u):
-        """Key-bucket summaries [b, h, nb, d] and which buckets a query bucket u [b] may choose ([b, nb])."""
-        counts = state["k_count"]
-        sk = state["k_sum"] if self.running_key_summary else state["k_sum"] / counts.clamp_min(1)[:, None, :, None]
-        earlier = torch.arange(counts.shape[1], device=counts.device)[None] < u[:, None]
-        return sk, earlier & (counts > 0)
+    def _route(self, state, position, real, u, context=None) -> None:
+        """Rows whose real token (`real` [b]) at `position` [b] leads a bucket choose that bucket's key buckets, from
+        the running query mean and the key-bucket summaries the cache keeps (cross-attention: the context's)."""
+        sq = state.query_summary()  # [b, h, d]
+        sk, k_valid = state.key_summaries(u) if context is None else (context["sk"], context["k_valid"])
+        lead = real & ((position + self.offset) % self.bucket_size == 0)
+        state.keep_route(lead, *self.choose(sq, sk, k_valid))
 
-    def route_step(self, q, position, real, state, sk=None, k_valid=None, u=None, choose=True):
-        """Add the token at `position` [b] (real: [b] bool, whether it enters the summaries) to the running query
-        sum; rows whose token leads a bucket choose that bucket's key buckets (choose=False: the caller knows
-        that no row does). Self-attention reads the key summaries from `state`; cross-attention passes the
-        context's (sk, k_valid)."""
-        size, off = self.bucket_size, self.offset
-        if u is None:
-            u = torch.div(position + off, size, rounding_mode="floor")
-        state["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
-        state["q_count"].add_(real.float())
-        if not choose:
-            return
-        sq = state["q_sum"] / state["q_count"].clamp_min(1)[:, None, None]  # [b, h, d]
-        if not self.cross:
-            sk, k_valid = self._key_summaries(state, u)
-        lead = real & ((position + off) % size == 0)
-        self._keep_route(state, lead, *self._choose(sq, sk, k_valid))
-
-    @staticmethod
-    def _keep_route(state, rows, idx, picked_valid, weight):
-        """Store the new routing choice in `rows` [b]."""
-        keep = rows[:, None, None]
-        state["route"] = torch.where(keep, idx, state["route"])
-        state["route_valid"] = torch.where(keep, picked_valid, state["route_valid"])
-        if weight is not None:
-            state["route_weight"] = torch.where(keep, weight, state["route_weight"])
-
-    def step(self, q, k, v, keys, values, heads, position, real, state, host=None):
-        """Causal self-attention of one new token per row at `position` [b] (already written to keys/values). q, k,
-        v: [b, h, 1, d]; real: [b] bool. keys/values: the layer's cache [b, H, S, d]; for this group's `heads` it
-        holds, as whole buckets from slot `1 - offset` on, the null buckets then the row's real tokens (see
-        `SinkhornLayerState`): the bucket bank of `bucketed`, so the chosen buckets and the own bucket are picked
-        by index, one block copy each.
+    def step(self, q, k, v, keys, values, heads, step, state):
+        """Causal self-attention of one new token per row (q, k, v: [b, h, 1, d]; step: the cache's DecodingStep,
+        positions [b] and real [b]). keys/values: the layer's bank [b, H, S, d], the new token already written;
+        for this group's `heads` it holds, as whole buckets from slot `1 - offset` on, the null buckets then the
+        row's real tokens (see `SinkhornLayerState`): the bucket bank of `bucketed`, so the chosen buckets and the
+        own bucket are picked by index, one block copy each. state: this group's `RoutingState`.
 
         Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
-        (n_top + 1) * bucket_size keys. host: None (static step), or (positions, real, epoch, memo) for a
-        host-following step (see `SinkhornCache`), which reuses the window of the last step when no row entered
-        a new bucket, and the index tensors of the step's other groups of the same shape (memo)."""
-        size, off = self.bucket_size, self.offset
-        b, h, _, d = q.shape
-        if host is None:
-            ix = self._step_index(position, real, b, h, d)
-        else:
-            key = (size, off, self.skip_first, self.n_top, b, h, d)
-            ix = host[3].get(key) or host[3].setdefault(key, self._step_index(position, real, b, h, d))
-        u, counted = ix["u"], ix["counted"]
-        new_k = k[:, :, 0].float() * ix["weight"][:, None, None]  # [b, h, d]
-        if self.running_key_summary:
-            state["k_run_sum"].add_(new_k)
-            state["k_run_count"].add_(ix["weight"])
-            run = state["k_run_sum"] / state["k_run_count"].clamp_min(1)[:, None, None]
-            new_k = run * ix["weight"][:, None, None]
-        state["k_sum"].scatter_add_(2, ix["bucket"], new_k[:, :, None])
-        state["k_count"].scatter_add_(1, u[:, None], ix["weight"][:, None])
-        put_along(state["queries"], 2, position[:, None], q.to(state["queries"].dtype))
-        if host is None:
-            self.route_step(q, position, counted, state, u=u)
-            keys_all, values_all, bias = self._window(keys, values, heads, position, u, state, q.dtype)
-        else:
-            positions, reals, epoch, _ = host
-            buckets = [(p + off) // size for p in positions]
-            lead = any(
-                r and (p + off) % size == 0 and not (self.skip_first and p + off < size)
-                for p, r in zip(positions, reals)
-            )
-            self.route_step(q, position, counted, state, u=u, choose=lead)
-            window = state.get("window")
-            if lead or window is None or window[0] != (epoch, buckets):
-                window = ((epoch, buckets), *self._window(keys, values, heads, position, u, state, q.dtype))
-                state["window"] = window
-            else:  # the same buckets: the new token joins the own bucket (its last `size` slots)
-                _, keys_all, values_all, bias = window
-                slot = ix["own"]  # [b, h, 1, d]
-                keys_all.scatter_(2, slot, k.to(keys_all.dtype))
-                values_all.scatter_(2, slot, v.to(values_all.dtype))
-                bias.scatter_(3, slot[..., :1], 0.0)
-            _, keys_all, values_all, bias = window
-            # up to the last own-bucket slot any row has reached (the keys after it are masked in every row)
-            end = keys_all.shape[2] - size + 1 + max((p + off) % size for p in positions)
-            keys_all, values_all, bias = keys_all[:, :, :end], values_all[:, :, :end], bias[..., :end]
+        (n_top + 1) * bucket_size keys. A host-following step (see `SinkhornCache`) routes only when some row
+        starts a bucket, and the cache reuses the last step's window otherwise."""
+        ix = state.step_index(step, q.shape)
+        state.add_token(q, k, step.position, ix)
+        routes = step.host is None or state.any_row_leads(step.host)
+        if routes:
+            self._route(state, step.position, ix["counted"], ix["u"])
+        keys_all, values_all, bias = state.window((keys, values), heads, step, ix, (k, v), routes, q.dtype)
         return attend(q, keys_all, values_all, bias=bias, implementation=self.implementation)
 
-    def _step_index(self, position, real, b, h, d):
-        """The index tensors of a step: query bucket u [b], the tokens that enter the routing summaries (bool and
-        float [b]), and for [b, h, ., d] buffers the slots of u and of the token's own-bucket window slot."""
-        size, off = self.bucket_size, self.offset
-        u = torch.div(position + off, size, rounding_mode="floor")
-        counted = real & (u > 0) if self.skip_first else real
-        own = self.n_top * size + (position + off) % size  # the window: the chosen buckets, then the own bucket
-        return dict(
-            u=u,
-            counted=counted,
-            weight=counted.float(),
-            bucket=u[:, None, None, None].expand(b, h, 1, d),
-            own=own[:, None, None, None].expand(b, h, 1, d),
-        )
-
-    def _window(self, keys, values, heads, position, u, state, dtype):
-        """Keys, values [b, h, K, d] and additive mask [b, h, 1, K] of the chosen buckets of the current query bucket
-        `u` [b] and the own bucket up to the token at `position` [b] (K = (n_sel + 1) * bucket_size)."""
-        size, off, n_null = self.bucket_size, self.offset, self.n_top
-        b, h = state["route"].shape[:2]
-        choice = state["route"]  # [b, h, n_sel]: bank indices (null buckets first)
-        which = torch.cat([choice, (n_null + u)[:, None, None].expand(b, h, 1)], dim=-1)  # chosen, then own
-        keys_all, values_all = pick_buckets((keys, values), heads, 1 - off, size, which)  # [b, h, (n_sel + 1) B, d]
-        if self.weight_routed_values:
-            weight = F.pad(state["route_weight"], (0, 1), value=1.0)  # the own bucket unweighted
-            weight = weight[..., None].expand(b, h, -1, size).reshape(b, h, -1, 1)
-            values_all = values_all * weight.to(values_all.dtype)
-            if self.weight_routed_keys:
-                keys_all = keys_all * weight.to(keys_all.dtype)
-        slot = torch.arange(size, device=choice.device)
-        pos = (which - n_null)[..., None] * size - off + slot  # [b, h, n_sel + 1, B] token positions
-        null_slots = slot >= 0 if self.null_copies else slot == 0
-        routed_m = torch.where((choice < n_null)[..., None], null_slots, pos[:, :, :-1] >= 0)
-        routed_m = routed_m & state["route_valid"][..., None]
-        own_m = (pos[:, :, -1:] >= 0) & (pos[:, :, -1:] <= position[:, None, None, None])
-        m = torch.cat([routed_m, own_m], dim=2).reshape(b, h, 1, -1)  # [b, h, 1, K]: the token always sees itself
-        return keys_all, values_all, additive(m, dtype)
-
-    def write_null_buckets(self, keys, values) -> None:
-        """Put this group's null buckets into the cache slots before its first bucket (keys, values: the group's
-        heads of the cache, [b, h, S, d]), so that a decoding step picks chosen buckets from one bank."""
-        size, start = self.bucket_size, 1 - self.offset
-        for t, table in ((keys, self.null_keys), (values, self.null_values)):
-            b, h, _, d = t.shape
-            bank = t[:, :, start : start + self.n_top * size].view(b, h, self.n_top, size, d)
-            bank.copy_(table.detach()[None, :, :, None, :].to(t.dtype).expand_as(bank))
-
-    def cross_step(self, q, position, real, state, ctx):
-        """Causal decoder cross-attention of one new token per row. ctx: the cached context (bucketed keys, values,
-        mask and summaries)."""
-        b, h, _, d = q.shape
-        put_along(state["queries"], 2, position[:, None], q.to(state["queries"].dtype))
-        self.route_step(q, position, real, state, ctx["sk"], ctx["k_valid"])
-        choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
-        bi, hi = batch_head_index(b, h, 3, q.device)
-        routed_k = ctx["bk"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
-        routed_v = ctx["bv"][bi, hi, choice]
-        if self.weight_routed_values:
-            weight = state["route_weight"][..., None, None]
-            routed_v = routed_v * weight.to(routed_v.dtype)
-            if self.weight_routed_keys:
-                routed_k = routed_k * weight.to(routed_k.dtype)
-        m = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, 1, -1)
-        return attend(
-            q, routed_k.reshape(b, h, -1, d), routed_v.reshape(b, h, -1, d), m, implementation=self.implementation
-        )
-
-    def rebuild(self, state, length, keys=None, sk=None, k_valid=None):
-        """Recompute the routing state of every row from its first `length` [b] cached queries (and keys, in
-        self-attention), as a prefill of those tokens would leave it: used by `SinkhornCache.crop`."""
-        size, off = self.bucket_size, self.offset
-        queries = state["queries"].float()  # [b, h, C, d]
-        b, h, cap, d = queries.shape
-        pos = torch.arange(cap, device=queries.device)
-        bucket = torch.div(pos + off, size, rounding_mode="floor")  # [C]
-        counted = pos[None] < length[:, None]  # [b, C]
-        if self.skip_first:
-            counted = counted & (bucket > 0)
-        c = counted.float()
-        u = torch.div((length - 1).clamp_min(0) + off, size, rounding_mode="floor")  # the current bucket [b]
-        state["q_sum"].copy_((queries * c[:, None, :, None]).sum(2))
-        state["q_count"].copy_(c.sum(1))
-        if not self.cross:
-            keys = keys.float()
-            nb = state["k_count"].shape[1]
-            per_bucket = F.one_hot(bucket, nb).float()  # [C, nb]
-            if self.running_key_summary:
-                weighted = keys * c[:, None, :, None]
-                run = weighted.cumsum(2) / c.cumsum(1).clamp_min(1)[:, None, :, None]
-                state["k_run_sum"].copy_(weighted.sum(2))
-                state["k_run_count"].copy_(c.sum(1))
-                keys = run
-            state["k_sum"].copy_(routing_einsum("bhcd,bc,cn->bhnd", keys, c, per_bucket))
-            state["k_count"].copy_(routing_matmul(c, per_bucket))
-            sk, k_valid = self._key_summaries(state, u)
-        # the choice of the current bucket, made at its leading token
-        lead = u * size - off  # [b] (-1: the shifted heads' virtual first token)
-        upto = (pos[None] <= lead[:, None]).float() * c
-        sq = (queries * upto[:, None, :, None]).sum(2) / upto.sum(1).clamp_min(1)[:, None, None]
-        idx, picked_valid, weight = self._choose(sq, sk, k_valid)
-        if self.skip_first:  # the short first bucket attends no chosen bucket
-            picked_valid = picked_valid & (u > 0)[:, None, None]
-        self._keep_route(state, torch.ones(b, dtype=torch.bool, device=queries.device), idx, picked_valid, weight)
+    def cross_step(self, q, step, state, context):
+        """Causal decoder cross-attention of one new token per row (q [b, h, 1, d]). context: the cached context
+        (bucketed keys, values, mask and summaries, see `SinkhornLayerState.fill_cross`)."""
+        state.add_query(q, step.position, step.real)
+        self._route(state, step.position, step.real, None, context)
+        keys, values, mask = state.chosen_context(context)
+        return attend(q, keys, values, mask, implementation=self.implementation)
 
 
 def trim_weights(attn_weights: dict, off: int, length: int, n_null: int | None, rows=slice(None)) -> None:
