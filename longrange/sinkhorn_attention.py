@@ -19,7 +19,7 @@ from torch import nn
 
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import ATTENTION_IMPLEMENTATIONS
-from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads, causal_pair
+from .sinkhorn_heads import CausalContextHeads, CausalSinkhornHeads, LocalHeads, SinkhornHeads, causal_pair
 
 
 def attention_implementation(config: SinkhornConfig) -> str:
@@ -235,17 +235,15 @@ class SinkhornCrossAttention(nn.Module):
         self.causal = config.causal
         impl = attention_implementation(config)
         if config.causal:
-            self.heads = CausalSinkhornHeads(
+            self.heads = CausalContextHeads(
                 self.num_heads,
                 self.head_dim,
                 config.bucket_size,
+                config.context_bucket,
                 config.context_top,
-                0,
                 config.sort_temperature,
                 config.attn_dropout,
                 impl,
-                cross=True,
-                kv_bucket_size=config.context_bucket,
                 **_routing_options(config),
             )
         else:

@@ -293,10 +293,11 @@ class CausalSinkhornHeads(nn.Module):
 
     Query bucket u chooses `n_top` candidates among `n_top` learned null buckets and the strictly earlier,
     non-empty key buckets, from the cumulative mean of the queries up to its leading token. A null bucket is one
-    learned key/value per head. Used for self-attention (`null buckets`, own bucket causal) and for a causal
-    decoder's cross-attention (`cross=True`: context buckets, no own bucket, no null buckets, no causality
-    constraint on which context bucket may be chosen).
+    learned key/value per head; the query bucket attends the chosen buckets and, causally, its own bucket. A
+    causal decoder's cross-attention is `CausalContextHeads`.
     """
+
+    cross = False  # (CausalContextHeads: True)
 
     def __init__(
         self,
@@ -308,8 +309,6 @@ class CausalSinkhornHeads(nn.Module):
         temperature: float,
         dropout: float,
         implementation: str,
-        cross: bool = False,
-        kv_bucket_size: int | None = None,
         weight_routed_values: bool = False,
         weight_routed_keys: bool = False,
         sequential_weights: bool = False,
@@ -326,10 +325,9 @@ class CausalSinkhornHeads(nn.Module):
         self.running_key_summary, self.zero_null_score = key_summary == "running_mean_sum", null_score == "zero"
         self.null_copies, self.skip_first = null_copies, skip_first_bucket and offset > 0
         self.num_heads, self.head_dim, self.bucket_size = num_heads, head_dim, bucket_size
-        self.kv_bucket_size = kv_bucket_size or bucket_size
-        self.n_top, self.offset, self.cross = n_top, offset, cross
+        self.n_top, self.offset = n_top, offset
         self.temperature, self.dropout, self.implementation = temperature, dropout, implementation
-        if not cross:
+        if not self.cross:
             self.null_keys = nn.Parameter(torch.empty(num_heads, n_top, head_dim))
             self.null_values = nn.Parameter(torch.empty(num_heads, n_top, head_dim))
 
@@ -365,19 +363,13 @@ class CausalSinkhornHeads(nn.Module):
         b, h, lq, d = q.shape
         bq = q.reshape(b, h, lq // self.bucket_size, self.bucket_size, d)  # [b, h, n, B, d]
         counted, q_sums, sq = self._query_summaries(q, bq, mask)
-        if self.cross:
-            bank = self._context_bank(sq, k, v, k_mask)
-        else:
-            bank = self._self_bank(sq, k, v, mask, counted, null)
+        bank = self._bank(sq, k, v, mask, k_mask, counted, null)
         idx, picked_valid, scale = self._select(bank.scores, bank.valid, bank.n_sel)  # [b, h, n, n_sel]
         routed = self._gather_chosen(bank, idx, picked_valid, scale)  # keys, values, mask [b, h, n, n_sel * B(, d)]
         placed = None
         if attn_weights is not None:
             placed = self._routed_columns(bank, idx, picked_valid, scale, lq, attn_weights)
-        if self.cross:
-            out = self._attend_context(bq, routed, placed, attn_weights, k.shape[2])
-        else:
-            out = self._attend_causal(bq, routed, bank, mask, placed, attn_weights)
+        out = self._attend(bq, routed, bank, mask, placed, attn_weights, k.shape[2])
         if record is not None:
             self._record(record, q_sums, counted, idx, picked_valid, scale, bank, k)
         return out.reshape(b, h, lq, d)
@@ -396,24 +388,7 @@ class CausalSinkhornHeads(nn.Module):
         lead_count = q_counts.cumsum(-1) - q_counts + lead_real
         return counted, q_sums, lead_sum / lead_count.clamp_min(1)[:, None, :, None]
 
-    def _context_bank(self, sq, k, v, k_mask) -> _Bank:
-        """Cross-attention: the context buckets are the candidates, any non-empty one may be chosen."""
-        b, h, _, d = k.shape
-        kv_size = self.kv_bucket_size
-        nk = k.shape[2] // kv_size
-        k_sums, k_counts = bucket_sums(k, k_mask, kv_size)
-        sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
-        scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, n, nk]
-        return _Bank(
-            scores=scores,
-            valid=(k_counts > 0)[:, None, None, :],
-            n_sel=min(self.n_top, nk),
-            keys=k.reshape(b, h, nk, kv_size, d),
-            values=v.reshape(b, h, nk, kv_size, d),
-            mask=k_mask.view(b, nk, kv_size),
-        )
-
-    def _self_bank(self, sq, k, v, mask, counted, null) -> _Bank:
+    def _bank(self, sq, k, v, mask, k_mask, counted, null) -> _Bank:
         """Self-attention: the candidates are the null buckets (the learned key in every slot, all but slot 0
         masked unless null_copies), then the strictly earlier, non-empty key buckets."""
         size, n_null = self.bucket_size, self.n_top
@@ -480,17 +455,7 @@ class CausalSinkhornHeads(nn.Module):
         and the factor its value was multiplied by; the routing goes to `attn_weights`."""
         b, h, n, n_sel = idx.shape
         nb, slots = bank.keys.shape[2], bank.keys.shape[3]
-        slot = torch.arange(slots, device=idx.device)
-        if self.cross:
-            bank_pos = torch.arange(nb, device=idx.device)[:, None] * slots + slot
-        else:
-            size = self.bucket_size
-            bank_pos = torch.cat(
-                [
-                    (lq + torch.arange(n_sel, device=idx.device))[:, None].expand(-1, size),
-                    torch.arange(lq, device=idx.device).view(n, size),
-                ]
-            )  # [n_null + n, B]
+        bank_pos = self._bank_columns(nb, slots, n_sel, lq, idx.device)
         routed_pos = bank_pos[idx].reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
         weight = torch.ones_like(idx, dtype=torch.float32) if scale is None else scale.float()
         routed_factor = weight[..., None].expand(*idx.shape, slots).reshape(b, h, n, -1)
@@ -498,20 +463,18 @@ class CausalSinkhornHeads(nn.Module):
         attn_weights["route_weight"] = weight.masked_fill(~picked_valid, 0.0)
         return routed_pos, routed_factor
 
-    def _attend_context(self, bq, routed, placed, attn_weights, context_length: int):
-        """Cross-attention over the chosen context buckets -> [b, h, n, B, d]. A row may see no context at all (a
-        fully padded context): a bool mask, which gives such rows zeros."""
-        routed_k, routed_v, routed_m = routed
-        want = attn_weights is not None
-        out = attend_buckets(
-            bq, routed_k, routed_v, routed_m[:, :, :, None, :], self._p(), self.implementation, return_weights=want
-        )
-        if want:
-            out, probs = out
-            attn_weights["map"] = token_weights(probs, *placed, context_length)
-        return out
+    def _bank_columns(self, nb: int, slots: int, n_sel: int, lq: int, device) -> torch.Tensor:
+        """Each bank slot's column in the attention map [nb, slots]: the null buckets (first in the bank) are the
+        columns after the `lq` tokens, the key buckets' slots their tokens."""
+        size = self.bucket_size
+        return torch.cat(
+            [
+                (lq + torch.arange(n_sel, device=device))[:, None].expand(-1, size),
+                torch.arange(lq, device=device).view(lq // size, size),
+            ]
+        )  # [n_null + n, B]
 
-    def _attend_causal(self, bq, routed, bank: _Bank, mask, placed, attn_weights):
+    def _attend(self, bq, routed, bank: _Bank, mask, placed, attn_weights, key_length: int):
         """Self-attention over the chosen buckets and the own bucket up to each query -> [b, h, n, B, d]."""
         routed_k, routed_v, routed_m = routed
         b, h, n, size, _ = bq.shape
@@ -576,25 +539,22 @@ class CausalSinkhornHeads(nn.Module):
         """Routing of one query bucket per row from the query summary sq [b, h, d] over the key-bucket summaries
         sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
         unless weight_routed_values), each [b, h, n_sel]."""
-        b, h, d = sq.shape
-        column = sq[..., None] * d**-0.5  # [b, h, d, 1]
-        if self.cross:
-            scores = routing_matmul(sk, column).transpose(-1, -2)  # [b, h, 1, n]
-            valid = valid_real[:, None, None, :]
-            n_sel = min(self.n_top, sk.shape[2])
-        else:
-            if self.zero_null_score:
-                null_scores = sq.new_zeros(b, h, self.n_top, 1)
-            else:
-                null_scores = routing_matmul(self.null_keys, column)  # [b, h, n_null, 1]
-            scores = torch.cat([null_scores, routing_matmul(sk, column)], dim=2).transpose(
-                -1, -2
-            )  # [b, h, 1, n_null + n]
-            nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
-            valid = torch.cat([nulls, valid_real], dim=-1)[:, None, None, :]
-            n_sel = self.n_top
+        scores, valid, n_sel = self._step_scores(sq, sk, valid_real)
         idx, picked_valid, weight = self._select(scores, valid, n_sel)
         return idx[:, :, 0], picked_valid[:, :, 0], weight[:, :, 0] if self.weight_routed_values else None
+
+    def _step_scores(self, sq, sk, valid_real):
+        """`choose`'s candidates: the null buckets, then the key buckets -> scores [b, h, 1, n_null + n], which may
+        be chosen (bool, broadcastable) and how many are chosen."""
+        b, h, d = sq.shape
+        column = sq[..., None] * d**-0.5  # [b, h, d, 1]
+        if self.zero_null_score:
+            null_scores = sq.new_zeros(b, h, self.n_top, 1)
+        else:
+            null_scores = routing_matmul(self.null_keys, column)  # [b, h, n_null, 1]
+        scores = torch.cat([null_scores, routing_matmul(sk, column)], dim=2).transpose(-1, -2)
+        nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
+        return scores, torch.cat([nulls, valid_real], dim=-1)[:, None, None, :], self.n_top
 
     def _route(self, state, position, real, u, context=None) -> None:
         """Rows whose real token (`real` [b]) at `position` [b] leads a bucket choose that bucket's key buckets, from
@@ -621,6 +581,60 @@ class CausalSinkhornHeads(nn.Module):
             self._route(state, step.position, ix["counted"], ix["u"])
         keys_all, values_all, bias = state.window((keys, values), heads, step, ix, (k, v), routes, q.dtype)
         return attend(q, keys_all, values_all, bias=bias, implementation=self.implementation)
+
+
+class CausalContextHeads(CausalSinkhornHeads):
+    """A causal decoder's cross-attention: query bucket u chooses `n_top` of the context's non-empty buckets (of
+    `kv_bucket_size`; no null buckets, no own bucket, no causality constraint on which context bucket may be
+    chosen) from the cumulative mean of its queries up to its leading token, as the self-attention heads do."""
+
+    cross = True
+
+    def __init__(
+        self, num_heads, head_dim, bucket_size, kv_bucket_size, n_top, temperature, dropout, implementation, **routing
+    ):
+        super().__init__(num_heads, head_dim, bucket_size, n_top, 0, temperature, dropout, implementation, **routing)
+        self.kv_bucket_size = kv_bucket_size
+
+    def _bank(self, sq, k, v, mask, k_mask, counted, null) -> _Bank:
+        """Cross-attention: the context buckets are the candidates, any non-empty one may be chosen."""
+        b, h, _, d = k.shape
+        kv_size = self.kv_bucket_size
+        nk = k.shape[2] // kv_size
+        k_sums, k_counts = bucket_sums(k, k_mask, kv_size)
+        sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+        scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, n, nk]
+        return _Bank(
+            scores=scores,
+            valid=(k_counts > 0)[:, None, None, :],
+            n_sel=min(self.n_top, nk),
+            keys=k.reshape(b, h, nk, kv_size, d),
+            values=v.reshape(b, h, nk, kv_size, d),
+            mask=k_mask.view(b, nk, kv_size),
+        )
+
+    def _attend(self, bq, routed, bank, mask, placed, attn_weights, key_length: int):
+        """Cross-attention over the chosen context buckets -> [b, h, n, B, d]. A row may see no context at all (a
+        fully padded context): a bool mask, which gives such rows zeros."""
+        routed_k, routed_v, routed_m = routed
+        want = attn_weights is not None
+        out = attend_buckets(
+            bq, routed_k, routed_v, routed_m[:, :, :, None, :], self._p(), self.implementation, return_weights=want
+        )
+        if want:
+            out, probs = out
+            attn_weights["map"] = token_weights(probs, *placed, key_length)
+        return out
+
+    def _bank_columns(self, nb: int, slots: int, n_sel: int, lq: int, device) -> torch.Tensor:
+        """Bank bucket j's slot s is context token j * slots + s -> [nb, slots]."""
+        return torch.arange(nb, device=device)[:, None] * slots + torch.arange(slots, device=device)
+
+    def _step_scores(self, sq, sk, valid_real):
+        """`choose`'s candidates: the context buckets -> scores [b, h, 1, nk], which may be chosen, how many."""
+        column = sq[..., None] * sq.shape[-1] ** -0.5  # [b, h, d, 1]
+        scores = routing_matmul(sk, column).transpose(-1, -2)  # [b, h, 1, n]
+        return scores, valid_real[:, None, None, :], min(self.n_top, sk.shape[2])
 
     def cross_step(self, q, step, state, context):
         """Causal decoder cross-attention of one new token per row (q [b, h, 1, d]). context: the cached context
