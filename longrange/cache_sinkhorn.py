@@ -1,6 +1,15 @@
 """The generation cache of the causal Sinkhorn model (`SinkhornCache`) and its per-layer state: preallocated
 buffers updated in place, so that a decoding step has static shapes and compiles to one graph.
 
+Host-following steps (`SinkhornCache.follows_host`): the one place where the decoding path is chosen. A cache
+whose buffers live on the CPU (decided once, when the prefill allocates them) reads each row's position on the
+host in eager steps, since there reading a tensor is no device sync: a causal Sinkhorn head group then keeps the
+keys/values of its current query buckets (chosen buckets, own bucket so far) in a working window
+(`RoutingState.window`), built from the cache only when some row enters a new bucket and otherwise extended by the
+new token, and skips routing on the steps where no row starts a bucket: the static step's numbers (up to float
+rounding: the window is cut after the last slot any row reached) with far fewer operators. Compiled steps, every
+step of a cache on an accelerator and, with `static_steps=True`, every step take the static path.
+
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
 
@@ -431,16 +440,8 @@ class SinkhornCache(Cache):
 
     `crop` rebuilds the routing state of a shorter prefix from the cached queries and keys (assisted and
     prompt-lookup decoding). An eager call that needs more room than `max_cache_len` grows the buffers (in whole
-    buckets, up to `max_position_embeddings`).
-
-    Host-following steps (`follows_host`): the one place where the decoding path is chosen. A cache whose
-    buffers live on the CPU (decided once, when the prefill allocates them) reads each row's position on the
-    host in eager steps, since there reading a tensor is no device sync: a causal Sinkhorn head group then keeps
-    the keys/values of its current query buckets (chosen buckets, own bucket so far) in a working window, built
-    from the cache only when some row enters a new bucket and otherwise extended by the new token, and skips
-    routing on the steps where no row starts a bucket: the static step's numbers (up to float rounding: the
-    window is cut after the last slot any row reached) with far fewer operators. Compiled steps, every step of a
-    cache on an accelerator and, with `static_steps=True`, every step take the static path.
+    buckets, up to `max_position_embeddings`). Steps of a CPU cache follow the host (`follows_host`, see the
+    module docstring).
     """
 
     model_type = "sinkhorn"  # the model it belongs to (a cache handed to the other model is refused)
@@ -550,6 +551,11 @@ class SinkhornCache(Cache):
         """The decoding step under way (between `begin_step` and `end_step`)."""
         host = None if self.step_host is None else (*self.step_host, self.host_epoch, self.step_memo)
         return DecodingStep(self.lengths, self.step_real, host, self.origin)
+
+    @property
+    def host_seq_length(self) -> int | None:
+        """Tokens given so far, padding included, as the host knows them (None after compiled steps)."""
+        return self._seen_host
 
     @property
     def follows_host(self) -> bool:

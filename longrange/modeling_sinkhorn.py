@@ -350,12 +350,13 @@ class SinkhornModel(SinkhornPreTrainedModel):
         output_attentions: bool | None = None,
         **kwargs,
     ) -> SinkhornModelOutput:
-        output_attentions, output_hidden_states = self._output_options(output_attentions, output_hidden_states)
-        batch, length = check_tokens(input_ids, inputs_embeds, self.config.vocab_size, self.config.embedding_size)
-        cache = self._cache_for(cache if cache is not None else past_key_values, use_cache, batch)
-        self._check_context(encoder_hidden_states, cache)
+        config = self.config
+        output_attentions, output_hidden_states = _output_options(self, output_attentions, output_hidden_states)
+        batch, length = check_tokens(input_ids, inputs_embeds, config.vocab_size, config.embedding_size)
+        cache = _cache_for(self, cache if cache is not None else past_key_values, use_cache, batch)
+        _check_context(config, encoder_hidden_states, cache)
         stepping = cache is not None and cache.prefilled
-        attention_mask = self._check_length_and_mask(attention_mask, batch, length, cache if stepping else None)
+        attention_mask = _check_length_and_mask(config, attention_mask, batch, length, cache if stepping else None)
         if stepping and output_attentions:  # the slow explicit path, only when asked
             return self._step_with_attentions(
                 input_ids, inputs_embeds, attention_mask, position_ids, cache, output_hidden_states
@@ -376,10 +377,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
         hidden = self._embed(inputs_embeds, position_ids)  # [b, L, hidden]
         context = context_mask = None
         if encoder_hidden_states is not None and not stepping:
-            context, context_mask = self._pad_context(encoder_hidden_states, encoder_attention_mask)
+            context, context_mask = _pad_context(encoder_hidden_states, encoder_attention_mask, config.context_bucket)
         hidden, padded_mask, back = self._enter_buckets(hidden, mask, attention_mask is not None, cache, stepping)
 
-        looks = [{} if output_attentions else None for _ in range(self.config.num_hidden_layers)]
+        looks = [{} if output_attentions else None for _ in range(config.num_hidden_layers)]
         shared = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
         hidden, all_hidden = self._run_layers(hidden, shared, cache, looks, length, back, output_hidden_states)
         hidden = self.norm(_permute_tokens(hidden[:, :length], back))  # [b, L, hidden] in the given order
@@ -394,77 +395,11 @@ class SinkhornModel(SinkhornPreTrainedModel):
 
     # -- the forward's steps, in its order ---------------------------------------------------------------------------
 
-    def _output_options(self, output_attentions, output_hidden_states) -> tuple[bool, bool]:
-        config = self.config
-        if output_attentions is None:
-            output_attentions = getattr(config, "output_attentions", False)
-        if output_attentions and self.training and config.layer_dropout > 0:
-            raise ValueError(
-                "SinkhornModel: output_attentions with layer_dropout > 0 in training mode is not supported (a "
-                "dropped layer attends nothing); call model.eval() first"
-            )
-        if output_hidden_states is None:
-            output_hidden_states = config.output_hidden_states
-        if output_hidden_states and config.reversible:
-            raise ValueError("SinkhornModel: output_hidden_states is not available with reversible=True")
-        return output_attentions, output_hidden_states
-
-    def _cache_for(self, cache, use_cache, batch: int) -> SinkhornCache | None:
-        """The SinkhornCache this call fills or steps, or None. A cache is for generation: by default none in
-        training mode, and only a causal model uses one. An empty generic cache (e.g. from
-        EncoderDecoderModel.generate) is replaced by our own, not marked compileable, since that caller would then
-        build transformers' 4-D attention masks from it."""
-        config = self.config
-        if cache is not None:
-            check_cache(cache, "sinkhorn", batch, cache.batch_size if isinstance(cache, SinkhornCache) else 0)
-        if use_cache is None:
-            use_cache = config.use_cache and not self.training
-        use_cache = use_cache and config.causal
-        if cache is not None and not isinstance(cache, SinkhornCache):
-            if cache.get_seq_length() > 0:
-                raise ValueError(f"SinkhornModel: expected a SinkhornCache, got a filled {type(cache).__name__}")
-            cache = SinkhornCache(config, compileable=False) if use_cache else None
-        elif use_cache and cache is None:
-            cache = SinkhornCache(config)
-        return cache if use_cache else None
-
-    def _check_context(self, encoder_hidden_states, cache) -> None:
-        if encoder_hidden_states is not None and not self.config.receives_context:
-            raise ValueError("SinkhornModel: encoder_hidden_states needs a config with receives_context=True")
-        filled = cache is not None and cache.prefilled  # (a filled cache keeps the context)
-        if self.config.receives_context and encoder_hidden_states is None and not filled:
-            raise ValueError("SinkhornModel: receives_context=True needs encoder_hidden_states (the context)")
-
-    def _check_length_and_mask(self, attention_mask, batch: int, length: int, filled: SinkhornCache | None):
-        """Refuses sequences longer than the position table; the padding mask of the new tokens (generate() passes
-        the mask of the whole sequence so far) as bool, or None. `filled`: the cache being stepped."""
-        # tokens given before (host count; unknown after compiled steps, which check nothing here)
-        past = None if torch.compiler.is_compiling() else (filled._seen_host if filled is not None else 0)
-        limit = self.config.max_position_embeddings
-        if past is not None and past + length > limit:
-            raise ValueError(
-                f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings ({limit})"
-            )
-        if attention_mask is None:
-            return None
-        so_far = past + length if past is not None else getattr(attention_mask, "shape", (0, length))[-1]
-        return check_mask(attention_mask, batch, (length, so_far) if filled is not None else (length,), length)
-
     def _embed(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings plus positions, dropout, and the projection to the layers' width (factorised `emb_dim`)."""
         positions = position_ids.clamp_max(self.config.max_position_embeddings - 1)
         hidden = self.emb_dropout(inputs_embeds + self.embed_positions(positions))  # [b, L, emb]
         return self.project_in(hidden) if self.project_in is not None else hidden
-
-    def _pad_context(self, context: torch.Tensor, context_mask: torch.Tensor | None):
-        """The encoder states and their mask, padded to whole context buckets."""
-        b, lc, _ = context.shape
-        if context_mask is not None:
-            mask = check_mask(context_mask, b, (lc,), lc, "encoder_attention_mask")
-        else:
-            mask = torch.ones(b, lc, dtype=torch.bool, device=context.device)
-        pad = (-lc) % self.config.context_bucket
-        return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
 
     def _enter_buckets(self, hidden, mask, padding_given: bool, cache, stepping: bool):
         """The layers' token layout -> hidden [b, L', e], its mask [b, L'] and the order that gives the tokens back
@@ -583,6 +518,83 @@ class SinkhornModel(SinkhornPreTrainedModel):
             if full.cross_attentions is None
             else tuple(a[:, :, -length:] for a in full.cross_attentions),
         )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model boundary: SinkhornModel.forward's checks and the cache a call uses (the shared checks: inputs.py)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _output_options(model, output_attentions, output_hidden_states) -> tuple[bool, bool]:
+    """output_attentions / output_hidden_states, defaulting to the config's, refused where the model cannot give
+    them."""
+    config = model.config
+    if output_attentions is None:
+        output_attentions = getattr(config, "output_attentions", False)
+    if output_attentions and model.training and config.layer_dropout > 0:
+        raise ValueError(
+            "SinkhornModel: output_attentions with layer_dropout > 0 in training mode is not supported (a "
+            "dropped layer attends nothing); call model.eval() first"
+        )
+    if output_hidden_states is None:
+        output_hidden_states = config.output_hidden_states
+    if output_hidden_states and config.reversible:
+        raise ValueError("SinkhornModel: output_hidden_states is not available with reversible=True")
+    return output_attentions, output_hidden_states
+
+
+def _cache_for(model, cache, use_cache, batch: int) -> SinkhornCache | None:
+    """The SinkhornCache this call fills or steps, or None. A cache is for generation: by default none in
+    training mode, and only a causal model uses one. An empty generic cache (e.g. from
+    EncoderDecoderModel.generate) is replaced by our own, not marked compileable, since that caller would then
+    build transformers' 4-D attention masks from it."""
+    config = model.config
+    if cache is not None:
+        check_cache(cache, "sinkhorn", batch, cache.batch_size if isinstance(cache, SinkhornCache) else 0)
+    if use_cache is None:
+        use_cache = config.use_cache and not model.training
+    use_cache = use_cache and config.causal
+    if cache is not None and not isinstance(cache, SinkhornCache):
+        if cache.get_seq_length() > 0:
+            raise ValueError(f"SinkhornModel: expected a SinkhornCache, got a filled {type(cache).__name__}")
+        cache = SinkhornCache(config, compileable=False) if use_cache else None
+    elif use_cache and cache is None:
+        cache = SinkhornCache(config)
+    return cache if use_cache else None
+
+
+def _check_context(config, encoder_hidden_states, cache) -> None:
+    """encoder_hidden_states exactly when the model cross-attends (a filled cache keeps the context)."""
+    if encoder_hidden_states is not None and not config.receives_context:
+        raise ValueError("SinkhornModel: encoder_hidden_states needs a config with receives_context=True")
+    filled = cache is not None and cache.prefilled
+    if config.receives_context and encoder_hidden_states is None and not filled:
+        raise ValueError("SinkhornModel: receives_context=True needs encoder_hidden_states (the context)")
+
+
+def _check_length_and_mask(config, attention_mask, batch: int, length: int, filled: SinkhornCache | None):
+    """Refuses sequences longer than the position table; the padding mask of the new tokens (generate() passes
+    the mask of the whole sequence so far) as bool, or None. `filled`: the cache being stepped."""
+    # tokens given before (host count; unknown after compiled steps, which check nothing here)
+    past = None if torch.compiler.is_compiling() else (filled.host_seq_length if filled is not None else 0)
+    limit = config.max_position_embeddings
+    if past is not None and past + length > limit:
+        raise ValueError(f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings ({limit})")
+    if attention_mask is None:
+        return None
+    so_far = past + length if past is not None else getattr(attention_mask, "shape", (0, length))[-1]
+    return check_mask(attention_mask, batch, (length, so_far) if filled is not None else (length,), length)
+
+
+def _pad_context(context: torch.Tensor, context_mask: torch.Tensor | None, bucket: int):
+    """The encoder states [b, Lc, e] and their mask [b, Lc], padded to whole context buckets of `bucket`."""
+    b, lc, _ = context.shape
+    if context_mask is not None:
+        mask = check_mask(context_mask, b, (lc,), lc, "encoder_attention_mask")
+    else:
+        mask = torch.ones(b, lc, dtype=torch.bool, device=context.device)
+    pad = (-lc) % bucket
+    return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
 
 
 def _position_ids(mask: torch.Tensor, before) -> torch.Tensor:
