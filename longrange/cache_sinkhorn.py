@@ -457,8 +457,7 @@ class SinkhornCache(Cache):
         self.config = config
         self._compileable = compileable
         self.static_steps = static_steps  # True: eager CPU steps too take the static path (see `follows_host`)
-        self.bucket_size = config.bucket_size
-        self.num_layers = config.num_hidden_layers
+        self.bucket_size, self.num_layers = config.bucket_size, config.num_hidden_layers
         limit = config.max_position_embeddings
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"SinkhornCache: max_cache_len must be a positive number of tokens, got {max_cache_len}")
@@ -624,12 +623,11 @@ class SinkhornCache(Cache):
     def record_inputs(self, embeds, positions, context=None, context_mask=None) -> None:
         """Keeps the given tokens' embeddings and positions (and, first, the context) for attention maps of
         later cached steps (`SinkhornModel._step_with_attentions`)."""
-        if self.recorded is None:
-            self.recorded = (embeds.detach(), positions, context, context_mask)
-        else:
+        embeds = embeds.detach()
+        if self.recorded is not None:  # (the context is recorded once, first)
             old_embeds, old_positions, context, context_mask = self.recorded
-            self.recorded = (torch.cat([old_embeds, embeds.detach()], 1), torch.cat([old_positions, positions], 1),
-                             context, context_mask)  # fmt: skip
+            embeds, positions = torch.cat([old_embeds, embeds], 1), torch.cat([old_positions, positions], 1)
+        self.recorded = (embeds, positions, context, context_mask)
 
     def record_step_inputs(self, embeds, positions, mask):
         """Records a cached step's inputs (embeddings [b, n, e], position ids and padding mask [b, n]) -> those of

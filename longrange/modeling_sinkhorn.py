@@ -26,7 +26,6 @@ masked wrap-around).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -48,24 +47,11 @@ from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
 from .sinkhorn_attention import attention_implementation, unsupported_attention
 from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads
-from .sinkhorn_layer import SinkhornLayer, build_layers
+from .sinkhorn_layer import AxialPositionEmbedding, SinkhornLayer, build_layers, tied_norm_sources
 
 # ----------------------------------------------------------------------------------------------------------------
 # models
 # ----------------------------------------------------------------------------------------------------------------
-
-
-class AxialPositionEmbedding(nn.Module):
-    """Axial positions (`axial_position_embeddings`): position p -> per_bucket[p // B] + in_bucket[p % B]."""
-
-    def __init__(self, max_positions: int, bucket_size: int, dim: int):
-        super().__init__()
-        self.bucket_size = bucket_size
-        self.per_bucket = nn.Parameter(torch.empty(math.ceil(max_positions / bucket_size), dim))
-        self.in_bucket = nn.Parameter(torch.empty(bucket_size, dim))
-
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.per_bucket[position_ids // self.bucket_size] + self.in_bucket[position_ids % self.bucket_size]
 
 
 @dataclass
@@ -297,13 +283,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
 
     def _tied_norm_sources(self) -> list[tuple[str, str]]:
         """weight_tie: (name, layer 0's name) of every LayerNorm weight that layers >= 1 hold of their own."""
-        if not self.config.weight_tie:
-            return []
-        return [
-            (f"layers.{depth}.{name}", f"layers.0.{name}")
-            for depth in range(1, self.config.num_hidden_layers)
-            for name, _ in self.layers[depth].named_parameters()
-        ]
+        return tied_norm_sources(self.layers) if self.config.weight_tie else []
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # weight_tie folders saved before the layers had LayerNorms of their own hold one shared set (layer 0's):
@@ -328,11 +308,9 @@ class SinkhornModel(SinkhornPreTrainedModel):
         return self.layers[depth], None
 
     def _stack_blocks(self) -> list[tuple[nn.Module, nn.Module]]:
-        blocks = []
-        for depth in range(self.config.num_hidden_layers):
-            layer, ff = self._layer_at(depth)
-            blocks.extend(layer.blocks(ff))
-        return blocks
+        """Every layer's (f, g) pairs in order: the reversible stack's blocks."""
+        layers = [self._layer_at(depth) for depth in range(self.config.num_hidden_layers)]
+        return [pair for layer, ff in layers for pair in layer.blocks(ff)]
 
     @can_return_tuple
     def forward(

@@ -1,5 +1,6 @@
 """The Sinkhorn model's layer: pre-norm branches (attention, feed-forward or product-key memory, cross-attention)
-and the layer that runs them as residual pairs, plus how `weight_tie` shares layer 0's modules with the others.
+and the layer that runs them as residual pairs, how `weight_tie` shares layer 0's modules with the others, and the
+axial position embedding.
 
 The reversible stack (`reversible.py`) runs the same (f, g) pairs (`SinkhornLayer.blocks`) as two streams.
 
@@ -7,6 +8,8 @@ Only same-folder relative imports: `save_pretrained` copies this file next to th
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -168,3 +171,25 @@ def _tie_to_first(layers: nn.ModuleList, depth: int, config: SinkhornConfig) -> 
     for parent, name, module in shared:
         del parent._modules[name]
         object.__setattr__(parent, name, module)  # an unregistered reference
+
+
+def tied_norm_sources(layers: nn.ModuleList) -> list[tuple[str, str]]:
+    """weight_tie: (name, layer 0's name) of every weight that layers >= 1 hold of their own (their LayerNorms)."""
+    return [
+        (f"layers.{depth}.{name}", f"layers.0.{name}")
+        for depth in range(1, len(layers))
+        for name, _ in layers[depth].named_parameters()
+    ]
+
+
+class AxialPositionEmbedding(nn.Module):
+    """Axial positions (`axial_position_embeddings`): position p -> per_bucket[p // B] + in_bucket[p % B]."""
+
+    def __init__(self, max_positions: int, bucket_size: int, dim: int):
+        super().__init__()
+        self.bucket_size = bucket_size
+        self.per_bucket = nn.Parameter(torch.empty(math.ceil(max_positions / bucket_size), dim))
+        self.in_bucket = nn.Parameter(torch.empty(bucket_size, dim))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.per_bucket[position_ids // self.bucket_size] + self.in_bucket[position_ids % self.bucket_size]
