@@ -287,7 +287,62 @@ class _Bank(NamedTuple):
     k_counts: torch.Tensor | None = None
 
 
-class CausalSinkhornHeads(nn.Module):
+class CausalDecoding:
+    """The causal Sinkhorn heads' side of a cached decoding step (mixed into `CausalSinkhornHeads`): the routing
+    choice of one query bucket per row and one token's attention. The cache keeps the routing state
+    (`RoutingState`, cache_sinkhorn.py) and answers with summaries and the keys and values to attend; the heads
+    choose and attend. Static shapes and no host reads: every step computes a routing choice and keeps it only in
+    the rows whose token leads a bucket (torch.where); positions are per-row tensors."""
+
+    def choose(self, sq, sk, valid_real):
+        """Routing of one query bucket per row from the query summary sq [b, h, d] over the key-bucket summaries
+        sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
+        unless weight_routed_values), each [b, h, n_sel]."""
+        scores, valid, n_sel = self._step_scores(sq, sk, valid_real)
+        idx, picked_valid, weight = self._select(scores, valid, n_sel)
+        return idx[:, :, 0], picked_valid[:, :, 0], weight[:, :, 0] if self.weight_routed_values else None
+
+    def _step_scores(self, sq, sk, valid_real):
+        """`choose`'s candidates: the null buckets, then the key buckets -> scores [b, h, 1, n_null + n], which may
+        be chosen (bool, broadcastable) and how many are chosen."""
+        b, h, d = sq.shape
+        column = sq[..., None] * d**-0.5  # [b, h, d, 1]
+        if self.zero_null_score:
+            null_scores = sq.new_zeros(b, h, self.n_top, 1)
+        else:
+            null_scores = routing_matmul(self.null_keys, column)  # [b, h, n_null, 1]
+        scores = torch.cat([null_scores, routing_matmul(sk, column)], dim=2).transpose(-1, -2)
+        nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
+        return scores, torch.cat([nulls, valid_real], dim=-1)[:, None, None, :], self.n_top
+
+    def _route(self, state, position, real, u, context=None) -> None:
+        """Rows whose real token (`real` [b]) at `position` [b] leads a bucket choose that bucket's key buckets, from
+        the running query mean and the key-bucket summaries the cache keeps (cross-attention: the context's)."""
+        sq = state.query_summary()  # [b, h, d]
+        sk, k_valid = state.key_summaries(u) if context is None else (context["sk"], context["k_valid"])
+        lead = real & ((position + self.offset) % self.bucket_size == 0)
+        state.keep_route(lead, *self.choose(sq, sk, k_valid))
+
+    def step(self, q, k, v, keys, values, heads, step, state):
+        """Causal self-attention of one new token per row (q, k, v: [b, h, 1, d]; step: the cache's DecodingStep,
+        positions [b] and real [b]). keys/values: the layer's bank [b, H, S, d], the new token already written;
+        for this group's `heads` it holds, as whole buckets from slot `1 - offset` on, the null buckets then the
+        row's real tokens (see `SinkhornLayerState`): the bucket bank of `bucketed`, so the chosen buckets and the
+        own bucket are picked by index, one block copy each. state: this group's `RoutingState`.
+
+        Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
+        (n_top + 1) * bucket_size keys. A host-following step (see `SinkhornCache`) routes only when some row
+        starts a bucket, and the cache reuses the last step's window otherwise."""
+        ix = state.step_index(step, q.shape)
+        state.add_token(q, k, step.position, ix)
+        routes = step.host is None or state.any_row_leads(step.host)
+        if routes:
+            self._route(state, step.position, ix["counted"], ix["u"])
+        keys_all, values_all, bias = state.window((keys, values), heads, step, ix, (k, v), routes, q.dtype)
+        return attend(q, keys_all, values_all, bias=bias, implementation=self.implementation)
+
+
+class CausalSinkhornHeads(CausalDecoding, nn.Module):
     """Causal Sinkhorn attention for a slice of heads whose buckets start at `offset` tokens before the usual ones
     (offset 0: ordinary buckets; offset 1: buckets shifted by bucket_size - 1, the reference's rotated heads).
 
@@ -519,11 +574,6 @@ class CausalSinkhornHeads(nn.Module):
                 record["k_run_sum"] = (k.float() * counted[:, None, :, None]).sum(2)  # [b, h, d]
                 record["k_run_count"] = counted.sum(1).float()  # [b]
 
-    # -- one token with a cache --------------------------------------------------------------------------------
-    # The cache keeps the routing state (`RoutingState`, cache_sinkhorn.py) and answers with summaries and the keys
-    # and values to attend; the heads choose. Static shapes and no host reads: every step computes a routing choice
-    # and keeps it only in the rows whose token leads a bucket (torch.where); positions are per-row tensors.
-
     def _select(self, scores, valid, n_sel):
         """`select_buckets` with this group's routing options (a causal group never runs Sinkhorn balancing)."""
         return select_buckets(
@@ -534,53 +584,6 @@ class CausalSinkhornHeads(nn.Module):
             weighted=self.weight_routed_values,
             sequential=self.sequential_weights,
         )
-
-    def choose(self, sq, sk, valid_real):
-        """Routing of one query bucket per row from the query summary sq [b, h, d] over the key-bucket summaries
-        sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
-        unless weight_routed_values), each [b, h, n_sel]."""
-        scores, valid, n_sel = self._step_scores(sq, sk, valid_real)
-        idx, picked_valid, weight = self._select(scores, valid, n_sel)
-        return idx[:, :, 0], picked_valid[:, :, 0], weight[:, :, 0] if self.weight_routed_values else None
-
-    def _step_scores(self, sq, sk, valid_real):
-        """`choose`'s candidates: the null buckets, then the key buckets -> scores [b, h, 1, n_null + n], which may
-        be chosen (bool, broadcastable) and how many are chosen."""
-        b, h, d = sq.shape
-        column = sq[..., None] * d**-0.5  # [b, h, d, 1]
-        if self.zero_null_score:
-            null_scores = sq.new_zeros(b, h, self.n_top, 1)
-        else:
-            null_scores = routing_matmul(self.null_keys, column)  # [b, h, n_null, 1]
-        scores = torch.cat([null_scores, routing_matmul(sk, column)], dim=2).transpose(-1, -2)
-        nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
-        return scores, torch.cat([nulls, valid_real], dim=-1)[:, None, None, :], self.n_top
-
-    def _route(self, state, position, real, u, context=None) -> None:
-        """Rows whose real token (`real` [b]) at `position` [b] leads a bucket choose that bucket's key buckets, from
-        the running query mean and the key-bucket summaries the cache keeps (cross-attention: the context's)."""
-        sq = state.query_summary()  # [b, h, d]
-        sk, k_valid = state.key_summaries(u) if context is None else (context["sk"], context["k_valid"])
-        lead = real & ((position + self.offset) % self.bucket_size == 0)
-        state.keep_route(lead, *self.choose(sq, sk, k_valid))
-
-    def step(self, q, k, v, keys, values, heads, step, state):
-        """Causal self-attention of one new token per row (q, k, v: [b, h, 1, d]; step: the cache's DecodingStep,
-        positions [b] and real [b]). keys/values: the layer's bank [b, H, S, d], the new token already written;
-        for this group's `heads` it holds, as whole buckets from slot `1 - offset` on, the null buckets then the
-        row's real tokens (see `SinkhornLayerState`): the bucket bank of `bucketed`, so the chosen buckets and the
-        own bucket are picked by index, one block copy each. state: this group's `RoutingState`.
-
-        Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
-        (n_top + 1) * bucket_size keys. A host-following step (see `SinkhornCache`) routes only when some row
-        starts a bucket, and the cache reuses the last step's window otherwise."""
-        ix = state.step_index(step, q.shape)
-        state.add_token(q, k, step.position, ix)
-        routes = step.host is None or state.any_row_leads(step.host)
-        if routes:
-            self._route(state, step.position, ix["counted"], ix["u"])
-        keys_all, values_all, bias = state.window((keys, values), heads, step, ix, (k, v), routes, q.dtype)
-        return attend(q, keys_all, values_all, bias=bias, implementation=self.implementation)
 
 
 class CausalContextHeads(CausalSinkhornHeads):
