@@ -70,7 +70,7 @@ class DecodingStep(NamedTuple):
     real: [b] bool, whether the row's new token is real (padding enters no summary and moves no position);
     host: None (a static step), or (positions, reals, epoch, memo) in a host-following step: the same numbers as
         Python lists, the cache's epoch (working windows built before it are stale) and a dict in which the
-        step's head groups share index tensors (see `CausalSinkhornHeads.step`);
+        step's head groups share index tensors (see `RoutingState.step_index`);
     origin: the key/value slot of position 0."""
 
     position: torch.Tensor
@@ -102,7 +102,7 @@ class RoutingState:
     # -- a decoding step: one new token per row ---------------------------------------------------------------------
 
     def step_index(self, step: DecodingStep, shape) -> dict:
-        """The index tensors of a step (see `_step_index`); in a host-following step shared by the step's groups of
+        """The index tensors of a step (`_step_index`); in a host-following step shared by the step's groups of
         the same layout and shape (the step's memo)."""
         g, (b, h, _, d) = self.group, shape
         if step.host is None:
@@ -475,7 +475,7 @@ class SinkhornCache(Cache):
         self.step_real = None  # [b] during a decoding step: whether the row's new token is real
         self.on_host = False  # set by begin_prefill: buffers on the CPU and not static_steps (`follows_host`)
         self.step_host = None  # during a host-following step: (positions, real) of every row, Python lists
-        self.step_memo = None  # and the index tensors its layers share (see CausalSinkhornHeads.step)
+        self.step_memo = None  # and the index tensors its layers share (see RoutingState.step_index)
         self.host_epoch = 0  # bumped whenever the state changes outside host-following steps (windows go stale)
         self._compiled_step = False  # a compiled step ran since the last eager one (windows are stale)
         # while attention maps are asked for (output_attentions): (embeddings [b, n, e], position ids [b, n],

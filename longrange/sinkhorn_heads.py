@@ -1,6 +1,7 @@
-"""The Sinkhorn model's bucketed attention heads: routing helpers, then the head groups (local, Sinkhorn,
-causal Sinkhorn) and the one-pass pair of ordinary and shifted causal groups. `modeling_sinkhorn.py` builds its
-attention layers from these groups; the algorithm is described there.
+"""The Sinkhorn model's bucketed attention heads: the head groups (local, Sinkhorn, causal Sinkhorn and its
+cross-attention variant) and the one-pass pair of ordinary and shifted causal groups. `sinkhorn_attention.py`
+builds the attention layers from these groups; the routing math is in `sinkhorn_routing.py`; the algorithm is
+described in `modeling_sinkhorn.py`.
 
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
@@ -43,7 +44,7 @@ class LocalHeads(nn.Module):
     def forward(self, q, k, v, mask, record=None, attn_weights=None):
         """q, k, v: [b, h, L, d]; mask: [b, L] real tokens. Nothing to record for the cache: a step reads the
         window straight from the cached keys/values. `attn_weights`: a dict that receives the dense attention
-        map (output_attentions; see `SinkhornSelfAttention.forward`)."""
+        map (output_attentions; see `SinkhornSelfAttention.forward`, sinkhorn_attention.py)."""
         b, h, length, d = q.shape
         size = self.bucket_size
         n = length // size
