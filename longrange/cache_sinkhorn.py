@@ -1,20 +1,38 @@
 """The generation cache of the causal Sinkhorn model (`SinkhornCache`) and its per-layer state: preallocated
 buffers updated in place, so that a decoding step has static shapes and compiles to one graph.
 
+Host-following steps (`SinkhornCache.follows_host`): the one place where the decoding path is chosen. A cache
+whose buffers live on the CPU (decided once, when the prefill allocates them) reads each row's position on the
+host in eager steps, since there reading a tensor is no device sync: a causal Sinkhorn head group then keeps the
+keys/values of its current query buckets (chosen buckets, own bucket so far) in a working window
+(`RoutingState.window`), built from the cache only when some row enters a new bucket and otherwise extended by the
+new token, and skips routing on the steps where no row starts a bucket: the static step's numbers (up to float
+rounding: the window is cut after the last slot any row reached) with far fewer operators. Compiled steps, every
+step of a cache on an accelerator and, with `static_steps=True`, every step take the static path.
+
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import put_along
-from .sinkhorn_heads import bucket_sums
+from .sinkhorn_routing import (
+    additive,
+    batch_head_index,
+    bucket_sums,
+    pick_buckets,
+    routing_einsum,
+    routing_matmul,
+)
 
 
 def _grow(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -45,6 +63,238 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class DecodingStep(NamedTuple):
+    """What a layer needs to know about the decoding step under way (one new token per row).
+
+    position: [b] long, each row's real tokens so far (the new token's position and cache slot - origin);
+    real: [b] bool, whether the row's new token is real (padding enters no summary and moves no position);
+    host: None (a static step), or (positions, reals, epoch, memo) in a host-following step: the same numbers as
+        Python lists, the cache's epoch (working windows built before it are stale) and a dict in which the
+        step's head groups share index tensors (see `RoutingState.step_index`);
+    origin: the key/value slot of position 0."""
+
+    position: torch.Tensor
+    real: torch.Tensor
+    host: tuple | None
+    origin: int
+
+
+class RoutingState:
+    """One causal Sinkhorn head group's routing state in a layer's cache (self-attention, or a causal decoder's
+    cross-attention), preallocated and updated in place. The head group computes (its routing choice); this state
+    stores and answers: the summaries a choice is made from, the keys and values a step attends.
+
+    tensors: "queries" [b, h, capacity, d] (every cached query, so that `crop` can rebuild the state), "q_sum"
+    [b, h, d] / "q_count" [b] (the running query sum), "route" / "route_valid" / "route_weight" [b, h, n_sel] (the
+    current query bucket's choice: bank indices, null buckets first); self-attention also "k_sum" [b, h, nb, d] /
+    "k_count" [b, nb] (per key bucket) and, with running_key_summary, "k_run_sum" [b, h, d] / "k_run_count" [b].
+    window: a host-following step's working window, ((epoch, buckets), keys, values, bias), reused while no row
+    enters a new bucket."""
+
+    def __init__(self, group: nn.Module, tensors: dict):
+        self.group = group  # the head group: its bucket layout and routing options, and its choice (for `crop`)
+        self.tensors = tensors
+        self.window_cache: tuple | None = None
+
+    def map(self, fn) -> None:
+        self.tensors = _map_state(self.tensors, fn)
+
+    # -- a decoding step: one new token per row ---------------------------------------------------------------------
+
+    def step_index(self, step: DecodingStep, shape) -> dict:
+        """The index tensors of a step (`_step_index`); in a host-following step shared by the step's groups of
+        the same layout and shape (the step's memo)."""
+        g, (b, h, _, d) = self.group, shape
+        if step.host is None:
+            return self._step_index(step.position, step.real, b, h, d)
+        key, memo = (g.bucket_size, g.offset, g.skip_first, g.n_top, b, h, d), step.host[3]
+        return memo.get(key) or memo.setdefault(key, self._step_index(step.position, step.real, b, h, d))
+
+    def _step_index(self, position, real, b, h, d) -> dict:
+        """Query bucket u [b], the tokens that enter the routing summaries (bool and float [b]), and for [b, h, ., d]
+        buffers the slots of u and of the token's own-bucket window slot."""
+        size, off = self.group.bucket_size, self.group.offset
+        u = torch.div(position + off, size, rounding_mode="floor")
+        counted = real & (u > 0) if self.group.skip_first else real
+        own = self.group.n_top * size + (position + off) % size  # the window: the chosen buckets, then the own bucket
+        return dict(
+            u=u,
+            counted=counted,
+            weight=counted.float(),
+            bucket=u[:, None, None, None].expand(b, h, 1, d),
+            own=own[:, None, None, None].expand(b, h, 1, d),
+        )
+
+    def add_token(self, q, k, position, ix: dict) -> None:
+        """Self-attention: the new token (q, k [b, h, 1, d] at `position` [b]) enters its key bucket's summary and,
+        where it counts, the running query sum; its query is kept."""
+        t, weight = self.tensors, ix["weight"]
+        new_k = k[:, :, 0].float() * weight[:, None, None]  # [b, h, d]
+        if self.group.running_key_summary:
+            t["k_run_sum"].add_(new_k)
+            t["k_run_count"].add_(weight)
+            run = t["k_run_sum"] / t["k_run_count"].clamp_min(1)[:, None, None]
+            new_k = run * weight[:, None, None]
+        t["k_sum"].scatter_add_(2, ix["bucket"], new_k[:, :, None])
+        t["k_count"].scatter_add_(1, ix["u"][:, None], weight[:, None])
+        self.add_query(q, position, ix["counted"])
+
+    def add_query(self, q, position, real) -> None:
+        """The new query [b, h, 1, d] is kept at `position` [b] and, in rows where `real` [b], summed."""
+        t = self.tensors
+        put_along(t["queries"], 2, position[:, None], q.to(t["queries"].dtype))
+        t["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
+        t["q_count"].add_(real.float())
+
+    def query_summary(self) -> torch.Tensor:
+        """The mean of the counted queries so far [b, h, d] (float32)."""
+        return self.tensors["q_sum"] / self.tensors["q_count"].clamp_min(1)[:, None, None]
+
+    def key_summaries(self, u: torch.Tensor):
+        """Key-bucket summaries [b, h, nb, d] and which buckets a query bucket u [b] may choose ([b, nb])."""
+        counts, sums = self.tensors["k_count"], self.tensors["k_sum"]
+        sk = sums if self.group.running_key_summary else sums / counts.clamp_min(1)[:, None, :, None]
+        earlier = torch.arange(counts.shape[1], device=counts.device)[None] < u[:, None]
+        return sk, earlier & (counts > 0)
+
+    def keep_route(self, rows, idx, picked_valid, weight) -> None:
+        """Store a new routing choice ([b, h, n_sel] each; weight None unless weighted) in `rows` [b]."""
+        t, keep = self.tensors, rows[:, None, None]
+        t["route"] = torch.where(keep, idx, t["route"])
+        t["route_valid"] = torch.where(keep, picked_valid, t["route_valid"])
+        if weight is not None:
+            t["route_weight"] = torch.where(keep, weight, t["route_weight"])
+
+    def any_row_leads(self, host: tuple) -> bool:
+        """Host-following step: whether some row's real token leads a bucket (so routes), read from the host."""
+        g, (positions, reals) = self.group, host[:2]
+        off, size = g.offset, g.bucket_size
+        return any(
+            r and (p + off) % size == 0 and not (g.skip_first and p + off < size) for p, r in zip(positions, reals)
+        )
+
+    def window(self, bank, heads: slice, step: DecodingStep, ix: dict, kv, routed: bool, dtype):
+        """Keys, values [b, h, K, d] and additive mask [b, h, 1, K] a self-attention step attends: the chosen buckets
+        of the current query bucket and the own bucket up to the token, picked from the layer's bank (keys, values
+        [b, H, S, d]; this group's `heads`). A host-following step keeps the window and, while no row enters a
+        new bucket and no row `routed`, only writes the new token (kv: its k, v [b, h, 1, d]) into it, cut after
+        the last own-bucket slot any row has reached (the keys after it are masked in every row)."""
+        if step.host is None:
+            return self._window(bank, heads, step.position, ix["u"], dtype)
+        size, off = self.group.bucket_size, self.group.offset
+        positions, _, epoch, _ = step.host
+        buckets = [(p + off) // size for p in positions]
+        window = self.window_cache
+        if routed or window is None or window[0] != (epoch, buckets):
+            window = ((epoch, buckets), *self._window(bank, heads, step.position, ix["u"], dtype))
+            self.window_cache = window
+        else:  # the same buckets: the new token joins the own bucket (its last `size` slots)
+            _, keys_all, values_all, bias = window
+            slot = ix["own"]  # [b, h, 1, d]
+            keys_all.scatter_(2, slot, kv[0].to(keys_all.dtype))
+            values_all.scatter_(2, slot, kv[1].to(values_all.dtype))
+            bias.scatter_(3, slot[..., :1], 0.0)
+        _, keys_all, values_all, bias = window
+        end = keys_all.shape[2] - size + 1 + max((p + off) % size for p in positions)
+        return keys_all[:, :, :end], values_all[:, :, :end], bias[..., :end]
+
+    def _window(self, bank, heads: slice, position, u, dtype):
+        """The static window of `window` (K = (n_sel + 1) * bucket_size)."""
+        g, t = self.group, self.tensors
+        size, off, n_null = g.bucket_size, g.offset, g.n_top
+        b, h = t["route"].shape[:2]
+        choice = t["route"]  # [b, h, n_sel]: bank indices (null buckets first)
+        which = torch.cat([choice, (n_null + u)[:, None, None].expand(b, h, 1)], dim=-1)  # chosen, then own
+        keys_all, values_all = pick_buckets(bank, heads, 1 - off, size, which)  # [b, h, (n_sel + 1) B, d]
+        if g.weight_routed_values:
+            weight = F.pad(t["route_weight"], (0, 1), value=1.0)  # the own bucket unweighted
+            weight = weight[..., None].expand(b, h, -1, size).reshape(b, h, -1, 1)
+            values_all = values_all * weight.to(values_all.dtype)
+            if g.weight_routed_keys:
+                keys_all = keys_all * weight.to(keys_all.dtype)
+        slot = torch.arange(size, device=choice.device)
+        pos = (which - n_null)[..., None] * size - off + slot  # [b, h, n_sel + 1, B] token positions
+        null_slots = slot >= 0 if g.null_copies else slot == 0
+        routed_m = torch.where((choice < n_null)[..., None], null_slots, pos[:, :, :-1] >= 0)
+        routed_m = routed_m & t["route_valid"][..., None]
+        own_m = (pos[:, :, -1:] >= 0) & (pos[:, :, -1:] <= position[:, None, None, None])
+        m = torch.cat([routed_m, own_m], dim=2).reshape(b, h, 1, -1)  # [b, h, 1, K]: the token always sees itself
+        return keys_all, values_all, additive(m, dtype)
+
+    def chosen_context(self, context: dict):
+        """Cross-attention: the chosen context buckets' keys, values [b, h, n_sel * Bc, d] (values, and keys with
+        weight_routed_keys, times the routing weight) and mask [b, h, 1, n_sel * Bc] (context: see `fill_cross`)."""
+        t, g = self.tensors, self.group
+        choice, choice_valid = t["route"], t["route_valid"]  # [b, h, n_sel]
+        b, h, _ = choice.shape
+        d = context["bk"].shape[-1]
+        bi, hi = batch_head_index(b, h, 3, choice.device)
+        routed_k = context["bk"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
+        routed_v = context["bv"][bi, hi, choice]
+        if g.weight_routed_values:
+            weight = t["route_weight"][..., None, None]
+            routed_v = routed_v * weight.to(routed_v.dtype)
+            if g.weight_routed_keys:
+                routed_k = routed_k * weight.to(routed_k.dtype)
+        m = (context["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, 1, -1)
+        return routed_k.reshape(b, h, -1, d), routed_v.reshape(b, h, -1, d), m
+
+    # -- crop: the state after a shorter prefix --------------------------------------------------------------------
+
+    def rebuild(self, length, keys=None, sk=None, k_valid=None) -> None:
+        """Recompute the routing state of every row from its first `length` [b] cached queries (and keys [b, h, C,
+        d], in self-attention; cross-attention passes the context's summaries sk, k_valid), as a prefill of those
+        tokens would leave it: used by `SinkhornCache.crop`."""
+        g, t = self.group, self.tensors
+        size, off = g.bucket_size, g.offset
+        queries = t["queries"].float()  # [b, h, C, d]
+        b, h, cap, d = queries.shape
+        pos = torch.arange(cap, device=queries.device)
+        bucket = torch.div(pos + off, size, rounding_mode="floor")  # [C]
+        counted = pos[None] < length[:, None]  # [b, C]
+        if g.skip_first:
+            counted = counted & (bucket > 0)
+        c = counted.float()
+        u = torch.div((length - 1).clamp_min(0) + off, size, rounding_mode="floor")  # the current bucket [b]
+        t["q_sum"].copy_((queries * c[:, None, :, None]).sum(2))
+        t["q_count"].copy_(c.sum(1))
+        if not g.cross:
+            self._rebuild_key_sums(keys.float(), c, bucket)
+            sk, k_valid = self.key_summaries(u)
+        # the choice of the current bucket, made at its leading token
+        lead = u * size - off  # [b] (-1: the shifted heads' virtual first token)
+        upto = (pos[None] <= lead[:, None]).float() * c
+        sq = (queries * upto[:, None, :, None]).sum(2) / upto.sum(1).clamp_min(1)[:, None, None]
+        idx, picked_valid, weight = g.choose(sq, sk, k_valid)
+        if g.skip_first:  # the short first bucket attends no chosen bucket
+            picked_valid = picked_valid & (u > 0)[:, None, None]
+        self.keep_route(torch.ones(b, dtype=torch.bool, device=queries.device), idx, picked_valid, weight)
+
+    def _rebuild_key_sums(self, keys, c, bucket) -> None:
+        """Self-attention's key-bucket sums (and running sums) from the cached keys [b, h, C, d] of the counted
+        tokens (c [b, C] float; bucket [C] each slot's key bucket)."""
+        t = self.tensors
+        per_bucket = F.one_hot(bucket, t["k_count"].shape[1]).float()  # [C, nb]
+        if self.group.running_key_summary:
+            weighted = keys * c[:, None, :, None]
+            run = weighted.cumsum(2) / c.cumsum(1).clamp_min(1)[:, None, :, None]
+            t["k_run_sum"].copy_(weighted.sum(2))
+            t["k_run_count"].copy_(c.sum(1))
+            keys = run
+        t["k_sum"].copy_(routing_einsum("bhcd,bc,cn->bhnd", keys, c, per_bucket))
+        t["k_count"].copy_(routing_matmul(c, per_bucket))
+
+
+def _write_null_buckets(keys, values, group) -> None:
+    """Put a causal group's null buckets into the cache slots before its first bucket (keys, values: the group's
+    heads of the layer's bank, [b, h, S, d]), so that a decoding step picks chosen buckets from one bank."""
+    size, start = group.bucket_size, 1 - group.offset
+    for t, table in ((keys, group.null_keys), (values, group.null_values)):
+        b, h, _, d = t.shape
+        bank = t[:, :, start : start + group.n_top * size].view(b, h, group.n_top, size, d)
+        bank.copy_(table.detach()[None, :, :, None, :].to(t.dtype).expand_as(bank))
+
+
 class SinkhornLayerState:
     """Cache of one layer, preallocated to the cache's capacity and updated in place: keys/values of every past
     real token (all heads; each row's tokens left-aligned, padding dropped: position p at slot `origin + p`, the
@@ -61,11 +311,9 @@ class SinkhornLayerState:
     def __init__(self, owner: SinkhornCache):
         self.owner = owner
         self.keys = self.values = None  # [b, H, slots, d]
-        self.groups: list[dict] = []
-        self.heads: list[nn.Module] = []  # the head group of each entry of `groups` and its heads (for `crop`)
-        self.slices: list[tuple[int, int]] = []
-        self.cross_state: dict | None = None
-        self.cross_heads: nn.Module | None = None
+        self.groups: list[RoutingState | None] = []  # per head group of the self-attention (None: local heads)
+        self.slices: list[tuple[int, int]] = []  # each group's heads
+        self.cross_state: RoutingState | None = None
         self.context: dict | None = None
 
     @property
@@ -81,11 +329,11 @@ class SinkhornLayerState:
         self.values = _static(v.new_zeros(b, v.shape[1], owner.slots, d))
         self.keys[:, :, origin : origin + n] = k[:, :, :n].detach()
         self.values[:, :, origin : origin + n] = v[:, :, :n].detach()
-        self.groups, self.heads, self.slices = [], list(groups), list(slices)
+        self.groups, self.slices = [], list(slices)
         for record, group, (s, e) in zip(records, groups, slices):
-            state = {}
+            state = None  # (local heads: nothing to keep)
             if record:
-                group.write_null_buckets(self.keys[:, s:e], self.values[:, s:e])
+                _write_null_buckets(self.keys[:, s:e], self.values[:, s:e], group)
                 u = torch.div(
                     (owner.lengths - 1).clamp_min(0) + record["offset"], owner.bucket_size, rounding_mode="floor"
                 )
@@ -95,7 +343,7 @@ class SinkhornLayerState:
                 if "k_run_sum" in record:
                     state["k_run_sum"] = record["k_run_sum"].detach().clone()
                     state["k_run_count"] = record["k_run_count"].clone()
-                state = _map_state(state, _static)
+                state = RoutingState(group, _map_state(state, _static))
             self.groups.append(state)
 
     def _routing_state(self, q, record, u):
@@ -128,45 +376,54 @@ class SinkhornLayerState:
             "k_valid": k_counts > 0,
         }
         u = torch.div((self.owner.lengths - 1).clamp_min(0), self.owner.bucket_size, rounding_mode="floor")
-        self.cross_state = _map_state(self._routing_state(q, record, u), _static)
-        self.cross_heads = heads
+        self.cross_state = RoutingState(heads, _map_state(self._routing_state(q, record, u), _static))
 
-    def append_kv(self, k, v, position):
-        """Write the new token's keys/values [b, H, 1, d] at each row's `position` [b], in place."""
-        slot = (position + self.owner.origin)[:, None]
+    @property
+    def step(self) -> DecodingStep:
+        """The decoding step under way (positions, real tokens, the host's view of them; see `SinkhornCache`)."""
+        return self.owner.step
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DecodingStep]:
+        """transformers' `Cache.update` for a decoding step: writes the new token's keys/values [b, H, 1, d] at each
+        row's position, in place -> the layer's whole key and value bank [b, H, slots, d] (null buckets, then
+        each row's real tokens from slot `origin` on) and the step."""
+        step = self.owner.step
+        slot = (step.position + step.origin)[:, None]
         put_along(self.keys, 2, slot, k)
         put_along(self.values, 2, slot, v)
-        return self.keys, self.values
+        return self.keys, self.values, step
 
     def resize(self, capacity: int, bucket_capacity: int) -> None:
         """Grow every per-token and per-bucket buffer (eager calls only: shapes change)."""
         if self.keys is not None:
             slots = self.owner.slots
             self.keys, self.values = (_static(_grow(t, 2, slots)) for t in (self.keys, self.values))
-        for state in [*self.groups, self.cross_state or {}]:
+        for state in self._routing_states():
             for name, dim, size in (
                 ("queries", 2, capacity),
                 ("k_sum", 2, bucket_capacity),
                 ("k_count", 1, bucket_capacity),
             ):
-                if name in state:
-                    state[name] = _static(_grow(state[name], dim, size))
+                if name in state.tensors:
+                    state.tensors[name] = _static(_grow(state.tensors[name], dim, size))
+
+    def _routing_states(self) -> list[RoutingState]:
+        return [state for state in [*self.groups, self.cross_state] if state is not None]
 
     def rebuild(self, lengths: torch.Tensor) -> None:
         """The routing state after the first `lengths` [b] real tokens of every row (see `SinkhornCache.crop`)."""
         origin = self.owner.origin
-        for heads, state, (s, e) in zip(self.heads, self.groups, self.slices):
-            if state:
-                heads.rebuild(state, lengths, keys=self.keys[:, s:e, origin : origin + self.owner.capacity])
+        for state, (s, e) in zip(self.groups, self.slices):
+            if state is not None:
+                state.rebuild(lengths, keys=self.keys[:, s:e, origin : origin + self.owner.capacity])
         if self.cross_state is not None:
-            self.cross_heads.rebuild(self.cross_state, lengths, sk=self.context["sk"], k_valid=self.context["k_valid"])
+            self.cross_state.rebuild(lengths, sk=self.context["sk"], k_valid=self.context["k_valid"])
 
     def _apply(self, fn):
         if self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
-        self.groups = [_map_state(state, fn) for state in self.groups]
-        if self.cross_state is not None:
-            self.cross_state = _map_state(self.cross_state, fn)
+        for state in self._routing_states():
+            state.map(fn)
         if self.context is not None:
             self.context = _map_state(self.context, fn)
 
@@ -183,16 +440,8 @@ class SinkhornCache(Cache):
 
     `crop` rebuilds the routing state of a shorter prefix from the cached queries and keys (assisted and
     prompt-lookup decoding). An eager call that needs more room than `max_cache_len` grows the buffers (in whole
-    buckets, up to `max_position_embeddings`).
-
-    Host-following steps (`follows_host`): the one place where the decoding path is chosen. A cache whose
-    buffers live on the CPU (decided once, when the prefill allocates them) reads each row's position on the
-    host in eager steps, since there reading a tensor is no device sync: a causal Sinkhorn head group then keeps
-    the keys/values of its current query buckets (chosen buckets, own bucket so far) in a working window, built
-    from the cache only when some row enters a new bucket and otherwise extended by the new token, and skips
-    routing on the steps where no row starts a bucket: the static step's numbers (up to float rounding: the
-    window is cut after the last slot any row reached) with far fewer operators. Compiled steps, every step of a
-    cache on an accelerator and, with `static_steps=True`, every step take the static path.
+    buckets, up to `max_position_embeddings`). Steps of a CPU cache follow the host (`follows_host`, see the
+    module docstring).
     """
 
     model_type = "sinkhorn"  # the model it belongs to (a cache handed to the other model is refused)
@@ -208,8 +457,7 @@ class SinkhornCache(Cache):
         self.config = config
         self._compileable = compileable
         self.static_steps = static_steps  # True: eager CPU steps too take the static path (see `follows_host`)
-        self.bucket_size = config.bucket_size
-        self.num_layers = config.num_hidden_layers
+        self.bucket_size, self.num_layers = config.bucket_size, config.num_hidden_layers
         limit = config.max_position_embeddings
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"SinkhornCache: max_cache_len must be a positive number of tokens, got {max_cache_len}")
@@ -227,7 +475,7 @@ class SinkhornCache(Cache):
         self.step_real = None  # [b] during a decoding step: whether the row's new token is real
         self.on_host = False  # set by begin_prefill: buffers on the CPU and not static_steps (`follows_host`)
         self.step_host = None  # during a host-following step: (positions, real) of every row, Python lists
-        self.step_memo = None  # and the index tensors its layers share (see CausalSinkhornHeads.step)
+        self.step_memo = None  # and the index tensors its layers share (see RoutingState.step_index)
         self.host_epoch = 0  # bumped whenever the state changes outside host-following steps (windows go stale)
         self._compiled_step = False  # a compiled step ran since the last eager one (windows are stale)
         # while attention maps are asked for (output_attentions): (embeddings [b, n, e], position ids [b, n],
@@ -298,6 +546,17 @@ class SinkhornCache(Cache):
             self._seen_host += 1
 
     @property
+    def step(self) -> DecodingStep:
+        """The decoding step under way (between `begin_step` and `end_step`)."""
+        host = None if self.step_host is None else (*self.step_host, self.host_epoch, self.step_memo)
+        return DecodingStep(self.lengths, self.step_real, host, self.origin)
+
+    @property
+    def host_seq_length(self) -> int | None:
+        """Tokens given so far, padding included, as the host knows them (None after compiled steps)."""
+        return self._seen_host
+
+    @property
     def follows_host(self) -> bool:
         """Whether this step reads positions on the host (see the class docstring): a CPU cache, not compiling."""
         return not torch.compiler.is_compiling() and self.on_host
@@ -364,12 +623,26 @@ class SinkhornCache(Cache):
     def record_inputs(self, embeds, positions, context=None, context_mask=None) -> None:
         """Keeps the given tokens' embeddings and positions (and, first, the context) for attention maps of
         later cached steps (`SinkhornModel._step_with_attentions`)."""
-        if self.recorded is None:
-            self.recorded = (embeds.detach(), positions, context, context_mask)
-        else:
+        embeds = embeds.detach()
+        if self.recorded is not None:  # (the context is recorded once, first)
             old_embeds, old_positions, context, context_mask = self.recorded
-            self.recorded = (torch.cat([old_embeds, embeds.detach()], 1), torch.cat([old_positions, positions], 1),
-                             context, context_mask)  # fmt: skip
+            embeds, positions = torch.cat([old_embeds, embeds], 1), torch.cat([old_positions, positions], 1)
+        self.recorded = (embeds, positions, context, context_mask)
+
+    def record_step_inputs(self, embeds, positions, mask):
+        """Records a cached step's inputs (embeddings [b, n, e], position ids and padding mask [b, n]) -> those of
+        every token given so far, for a forward without the cache that gives the step's attention maps
+        (`SinkhornModel._step_with_attentions`): (embeddings, position ids, mask, context, context mask)."""
+        if self.recorded is None:
+            raise ValueError(
+                "SinkhornModel: output_attentions on tokens fed on top of a filled cache needs the forward that "
+                "filled it to ask for output_attentions too"
+            )
+        past = self.recorded[0].shape[1]
+        full_mask = torch.cat([self.token_mask[:, :past], mask], dim=1)
+        self.record_inputs(embeds, positions)
+        all_embeds, all_positions, context, context_mask = self.recorded
+        return all_embeds, all_positions, full_mask, context, context_mask
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -1,8 +1,10 @@
 """Sinkhorn Transformer (Tay et al. 2020, "Sparse Sinkhorn Attention") as a transformers model.
 
-Reading order: self / cross attention (built from the head groups of `sinkhorn_heads.py`: local, Sinkhorn,
-causal Sinkhorn, with the routing helpers) -> blocks and layer -> PreTrainedModel -> SinkhornModel ->
-SinkhornForCausalLM / ForMaskedLM. The generation cache, `SinkhornCache`, lives in `cache_sinkhorn.py`.
+Reading order: this file holds the outputs, the PreTrainedModel, SinkhornModel (embed -> layers -> norm) and the
+language models. Its pieces live below it: `sinkhorn_layer.py` (the layer and its pre-norm blocks),
+`sinkhorn_attention.py` (self / cross attention built from head groups), `sinkhorn_heads.py` (the head groups:
+local, Sinkhorn, causal Sinkhorn), `sinkhorn_routing.py` (the sort net's routing math), `reversible.py` (the
+two-stream stack) and `cache_sinkhorn.py` (the generation cache, `SinkhornCache`).
 
 The sequence is cut into buckets of `bucket_size`. A sort net scores every (query bucket, key bucket) pair from
 bucket summaries; each query bucket attends its own bucket plus the `n_top_buckets` best key buckets in ONE
@@ -24,7 +26,6 @@ masked wrap-around).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,6 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
@@ -41,422 +41,17 @@ from .cache_sinkhorn import SinkhornCache
 from .compat import cache_output, check_assisted_decoding, use_own_cache
 from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
-from .layers import ATTENTION_IMPLEMENTATIONS, FeedForward, real_tokens_first
+from .layers import ATTENTION_IMPLEMENTATIONS, real_tokens_first
 from .loading import checked_from_pretrained
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
-from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads, causal_pair
-
-# ----------------------------------------------------------------------------------------------------------------
-# attention layers
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _implementation(config: SinkhornConfig) -> str:
-    """The attention implementation of every head group, read from `config._attn_implementation` when the model is
-    built (transformers resolves it, from `attn_implementation=` or the config, before the modules exist; unset =
-    "sdpa" on every device).
-
-    "sdpa": `torch.nn.functional.scaled_dot_product_attention`, fused kernels on CUDA and on the CPU (where it is
-    at least as fast as "eager" on the benchmark's 128 x 384 bucket blocks, forward and backward); "eager": the
-    explicit softmax(q k^T / sqrt(d) + mask) v, the same numbers."""
-    impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    if impl not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(_unsupported_attention(impl))
-    return impl
-
-
-def _unsupported_attention(impl) -> str:
-    return (
-        f'Specified `attn_implementation="{impl}"` is not supported by Sinkhorn; allowed values: '
-        f"{', '.join(repr(name) for name in ATTENTION_IMPLEMENTATIONS)} (bucketed attention runs through "
-        "scaled_dot_product_attention or the explicit softmax; flash and flex attention are not available)"
-    )
-
-
-def _routing_options(config: SinkhornConfig) -> dict:
-    return dict(
-        weight_routed_values=config.weight_routed_values,
-        weight_routed_keys=config.weight_routed_keys,
-        sequential_weights=config.sequential_routing_weights,
-    )
-
-
-class SinkhornSelfAttention(nn.Module):
-    """Projections plus the head groups: [local heads | Sinkhorn heads] (causal: [local | ordinary | shifted])."""
-
-    def __init__(self, config: SinkhornConfig):
-        super().__init__()
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        inner = self.num_heads * self.head_dim
-        self.to_q = nn.Linear(config.hidden_size, inner, bias=False)
-        self.to_kv = nn.Linear(config.hidden_size, 2 * inner, bias=False)
-        self.to_out = nn.Linear(inner, config.hidden_size)
-        impl, size = _implementation(config), config.bucket_size
-        n_local = config.n_local_attn_heads
-        n_sink = self.num_heads - n_local
-        groups, slices, start = [], [], 0
-
-        def add(module, count):
-            nonlocal start
-            if count > 0:
-                groups.append(module)
-                slices.append((start, start + count))
-                start += count
-
-        add(LocalHeads(n_local, size, config.causal, config.attn_dropout, impl), n_local)
-        if config.causal:
-            n_plain = n_sink // 2
-            for count, offset in ((n_plain, 0), (n_sink - n_plain, 1)):
-                add(
-                    CausalSinkhornHeads(
-                        count,
-                        self.head_dim,
-                        size,
-                        config.n_top_buckets,
-                        offset,
-                        config.sort_temperature,
-                        config.attn_dropout,
-                        impl,
-                        key_summary=config.causal_key_summary,
-                        null_score=config.causal_null_score,
-                        null_copies=config.null_bucket_copies,
-                        skip_first_bucket=config.shifted_heads_skip_first_bucket,
-                        **_routing_options(config),
-                    ),
-                    count,
-                )
-        else:
-            add(
-                SinkhornHeads(
-                    n_sink,
-                    self.head_dim,
-                    size,
-                    size,
-                    config.n_top_buckets,
-                    config.n_sortcut,
-                    True,
-                    config.use_simple_sort_net,
-                    config.max_buckets,
-                    config.non_permutative,
-                    config.sinkhorn_iter,
-                    config.sort_temperature,
-                    config.attn_dropout,
-                    impl,
-                    route_own_bucket=config.route_own_bucket,
-                    simple_scores=config.simple_sort_net_scores,
-                    **_routing_options(config),
-                ),
-                n_sink,
-            )
-        self.groups = nn.ModuleList(groups)
-        self.slices = slices
-        # runs of groups computed together: the two causal Sinkhorn groups in one `causal_pair` pass when their
-        # head counts are equal (an odd number of Sinkhorn heads runs them one after the other)
-        self.runs = [[i] for i in range(len(groups))]
-        causal_groups = [i for i, g in enumerate(groups) if isinstance(g, CausalSinkhornHeads)]
-        # (and when the shifted heads route like the ordinary ones: not with shifted_heads_skip_first_bucket)
-        if (
-            len(causal_groups) == 2
-            and len({groups[i].num_heads for i in causal_groups}) == 1
-            and not groups[causal_groups[1]].skip_first
-        ):
-            self.runs = [run for run in self.runs if run[0] not in causal_groups] + [causal_groups]
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, length, _ = x.shape
-        return x.view(b, length, -1, self.head_dim).transpose(1, 2)  # [b, H, L, d]
-
-    def forward(self, hidden_states, attention_mask, layer_cache=None, attn_weights=None):
-        """attn_weights (output_attentions): a dict that receives, over all heads, "map" [b, H, L, L] (each
-        query's attention weights at its keys' positions, routed values' weights included), "null" [b, H, L,
-        n_top] (causal: the weight on each null bucket's key; None for non-causal models), "route" / "route_weight"
-        [b, H, query buckets, n_chosen] (chosen key buckets in each head's bucket grid, -1 for none or a null
-        bucket; 0-weight where nothing is chosen) and "offset" [H] (head h's bucket u starts at token
-        u * bucket_size - offset[h])."""
-        b, length, _ = hidden_states.shape
-        q = self._heads(self.to_q(hidden_states))
-        k, v = (self._heads(t) for t in self.to_kv(hidden_states).chunk(2, dim=-1))
-        if layer_cache is not None and layer_cache.is_stepping:
-            out = self._step(q, k, v, layer_cache)
-        else:
-            records = [None] * len(self.groups)
-            if layer_cache is not None:
-                records = [{} for _ in self.groups]
-            looks = [None] * len(self.groups) if attn_weights is None else [{} for _ in self.groups]
-            outs = []
-            for run in self.runs:
-                s, e = self.slices[run[0]][0], self.slices[run[-1]][1]
-                if len(run) == 2:
-                    pair_records = None if layer_cache is None else [records[i] for i in run]
-                    pair_looks = None if attn_weights is None else [looks[i] for i in run]
-                    plain, shifted = (self.groups[i] for i in run)
-                    qs, ks, vs = q[:, s:e], k[:, s:e], v[:, s:e]
-                    outs.append(causal_pair(plain, shifted, qs, ks, vs, attention_mask, pair_records, pair_looks))
-                else:
-                    group = self.groups[run[0]]
-                    outs.append(
-                        group(
-                            q[:, s:e],
-                            k[:, s:e],
-                            v[:, s:e],
-                            attention_mask,
-                            record=records[run[0]],
-                            attn_weights=looks[run[0]],
-                        )
-                    )
-            out = torch.cat(outs, dim=1)
-            if layer_cache is not None:
-                layer_cache.fill_self(q, k, v, records, self.groups, self.slices)
-            if attn_weights is not None:
-                attn_weights.update(self._gather_weights(looks, length))
-        out = out.transpose(1, 2).reshape(b, length, -1)
-        return self.to_out(out)
-
-    def _gather_weights(self, looks: list[dict], length: int) -> dict:
-        """The head groups' maps and routing (see `forward`) over all heads; routing padded to a common shape."""
-        maps = torch.cat([look["map"] for look in looks], dim=1)
-        b, device = maps.shape[0], maps.device
-        size = self.groups[0].bucket_size
-        n_null = max((look["null"].shape[-1] for look in looks if "null" in look), default=0)
-        rows = max([look["route"].shape[2] for look in looks if "route" in look] + [length // size])
-        picks = max((look["route"].shape[3] for look in looks if "route" in look), default=0)
-        nulls, routes, weights, offsets = [], [], [], []
-        for look, group in zip(looks, self.groups):
-            h = group.num_heads
-            route = look.get("route", torch.full((b, h, 0, 0), -1, dtype=torch.long, device=device))
-            weight = look.get("route_weight", torch.zeros(route.shape, device=device))
-            pad = (0, picks - route.shape[3], 0, rows - route.shape[2])
-            routes.append(F.pad(route, pad, value=-1))
-            weights.append(F.pad(weight.float(), pad, value=0.0))
-            nulls.append(look.get("null", maps.new_zeros(b, h, length, n_null)))
-            offsets += [look.get("offset", 0)] * h
-        return {
-            "map": maps,
-            "null": torch.cat(nulls, dim=1) if n_null else None,
-            "route": torch.cat(routes, dim=1),
-            "route_weight": torch.cat(weights, dim=1),
-            "offset": torch.tensor(offsets, device=device),
-        }
-
-    def _step(self, q, k, v, layer_cache):
-        owner = layer_cache.owner
-        position, real = owner.lengths, owner.step_real  # [b] each
-        host = None if owner.step_host is None else (*owner.step_host, owner.host_epoch, owner.step_memo)
-        keys, values = layer_cache.append_kv(k, v, position)  # [b, H, slots, d]
-        outs = []
-        for i, (group, (s, e)) in enumerate(zip(self.groups, self.slices)):
-            heads = slice(s, e)
-            if isinstance(group, LocalHeads):
-                outs.append(group.step(q[:, s:e], keys, values, heads, position, layer_cache.owner.origin))
-            else:
-                state = layer_cache.groups[i]
-                outs.append(
-                    group.step(q[:, s:e], k[:, s:e], v[:, s:e], keys, values, heads, position, real, state, host)
-                )
-        return torch.cat(outs, dim=1)
-
-
-class SinkhornCrossAttention(nn.Module):
-    """Attention from the decoder to `encoder_hidden_states` (the seed's `context`), bucketed with
-    `context_bucket_size`. Causal decoders route per query bucket from its leading token; non-causal models use
-    SortCut (`context_n_sortcut`) or per-bucket routing over the context buckets."""
-
-    def __init__(self, config: SinkhornConfig):
-        super().__init__()
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        inner = self.num_heads * self.head_dim
-        self.to_q = nn.Linear(config.hidden_size, inner, bias=False)
-        self.to_kv = nn.Linear(config.hidden_size, 2 * inner, bias=False)
-        self.to_out = nn.Linear(inner, config.hidden_size)
-        self.causal = config.causal
-        impl = _implementation(config)
-        if config.causal:
-            self.heads = CausalSinkhornHeads(
-                self.num_heads,
-                self.head_dim,
-                config.bucket_size,
-                config.context_top,
-                0,
-                config.sort_temperature,
-                config.attn_dropout,
-                impl,
-                cross=True,
-                kv_bucket_size=config.context_bucket,
-                **_routing_options(config),
-            )
-        else:
-            self.heads = SinkhornHeads(
-                self.num_heads,
-                self.head_dim,
-                config.bucket_size,
-                config.context_bucket,
-                config.n_top_buckets,
-                config.context_n_sortcut,
-                False,
-                False,
-                1,
-                config.non_permutative,
-                config.sinkhorn_iter,
-                config.sort_temperature,
-                config.attn_dropout,
-                impl,
-                **_routing_options(config),
-            )
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, length, _ = x.shape
-        return x.view(b, length, -1, self.head_dim).transpose(1, 2)
-
-    def forward(self, hidden_states, attention_mask, context, context_mask, layer_cache=None, attn_weights=None):
-        """attn_weights (output_attentions): a dict that receives "map" [b, H, L, context length]."""
-        b, length, _ = hidden_states.shape
-        q = self._heads(self.to_q(hidden_states))
-        if layer_cache is not None and layer_cache.is_stepping:
-            owner = layer_cache.owner
-            out = self.heads.cross_step(q, owner.lengths, owner.step_real, layer_cache.cross_state, layer_cache.context)
-        else:
-            k, v = (self._heads(t) for t in self.to_kv(context).chunk(2, dim=-1))
-            if self.causal:
-                record = {} if layer_cache is not None else None
-                out = self.heads(q, k, v, attention_mask, k_mask=context_mask, record=record, attn_weights=attn_weights)
-                if layer_cache is not None:
-                    layer_cache.fill_cross(q, k, v, context_mask, record, self.heads)
-            else:
-                out = self.heads(q, k, v, attention_mask, context_mask, attn_weights=attn_weights)
-        out = out.transpose(1, 2).reshape(b, length, -1)
-        return self.to_out(out)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# blocks and layer
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class AttentionBlock(nn.Module):
-    """Pre-norm self-attention branch f(x) (the residual is added by the caller or the reversible stack)."""
-
-    def __init__(self, config: SinkhornConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attention = SinkhornSelfAttention(config)
-        self.dropout = nn.Dropout(config.attn_layer_dropout)
-
-    def forward(self, hidden_states, attention_mask=None, layer_cache=None, attn_weights=None, **unused):
-        return self.dropout(self.attention(self.norm(hidden_states), attention_mask, layer_cache, attn_weights))
-
-
-class CrossAttentionBlock(nn.Module):
-    def __init__(self, config: SinkhornConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attention = SinkhornCrossAttention(config)
-        self.dropout = nn.Dropout(config.attn_layer_dropout)
-
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        context=None,
-        context_mask=None,
-        layer_cache=None,
-        attn_weights=None,
-        **unused,
-    ):
-        """attn_weights: the layer's dict; the cross-attention's weights go to its "cross" entry."""
-        cross = None
-        if attn_weights is not None:
-            cross = attn_weights["cross"] = {}
-        out = self.attention(self.norm(hidden_states), attention_mask, context, context_mask, layer_cache, cross)
-        return self.dropout(out)
-
-
-class FeedForwardBlock(nn.Module):
-    """Pre-norm feed-forward (or product-key memory) branch g(x), optionally over `ff_chunks` chunks of the
-    sequence (chunks may be unequal, so any length works)."""
-
-    def __init__(self, config: SinkhornConfig, use_pkm: bool = False):
-        super().__init__()
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        if use_pkm:
-            self.net = ProductKeyMemory(
-                config.hidden_size,
-                num_keys=config.pkm_num_keys,
-                heads=config.pkm_heads,
-                topk=config.pkm_topk,
-                dim_key=config.pkm_dim_key,
-                norm_halves=config.pkm_norm_halves,
-            )
-        else:
-            self.net = FeedForward(config.hidden_size, config.ff_size, config.ff_dropout, config.ff_glu)
-        self.chunks = config.ff_chunks
-
-    def forward(self, hidden_states, **unused):
-        x = self.norm(hidden_states)
-        if self.chunks > 1 and x.shape[1] > 1:
-            return torch.cat([self.net(c) for c in x.chunk(self.chunks, dim=1)], dim=1)
-        return self.net(x)
-
-
-class SinkhornLayer(GradientCheckpointingLayer):
-    """attention -> feed-forward (-> cross-attention -> cross feed-forward), each a pre-norm residual branch.
-    The reversible stack sees the same (f, g) pairs: (attention, feed_forward) and, with `receives_context`,
-    (cross_attention, cross_feed_forward), as in the reference."""
-
-    def __init__(self, config: SinkhornConfig, use_pkm: bool):
-        super().__init__()
-        self.attention = AttentionBlock(config)
-        self.feed_forward = FeedForwardBlock(config, use_pkm)
-        if config.receives_context:
-            self.cross_attention = CrossAttentionBlock(config)
-            self.cross_feed_forward = FeedForwardBlock(config)
-
-    def blocks(self, feed_forward: nn.Module | None = None) -> list[tuple[nn.Module, nn.Module]]:
-        pairs = [(self.attention, feed_forward if feed_forward is not None else self.feed_forward)]
-        if hasattr(self, "cross_attention"):
-            pairs.append((self.cross_attention, self.cross_feed_forward))
-        return pairs
-
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        context=None,
-        context_mask=None,
-        layer_cache=None,
-        feed_forward=None,
-        attn_weights=None,
-    ):
-        """attn_weights (output_attentions): a dict that receives the attention weights (see AttentionBlock)."""
-        kwargs = dict(
-            attention_mask=attention_mask,
-            context=context,
-            context_mask=context_mask,
-            layer_cache=layer_cache,
-            attn_weights=attn_weights,
-        )
-        for f, g in self.blocks(feed_forward):
-            hidden_states = hidden_states + f(hidden_states, **kwargs)
-            hidden_states = hidden_states + g(hidden_states)
-        return hidden_states
-
+from .sinkhorn_attention import attention_implementation, unsupported_attention
+from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads
+from .sinkhorn_layer import AxialPositionEmbedding, SinkhornLayer, build_layers, tied_norm_sources
 
 # ----------------------------------------------------------------------------------------------------------------
 # models
 # ----------------------------------------------------------------------------------------------------------------
-
-
-class AxialPositionEmbedding(nn.Module):
-    """Axial positions (`axial_position_embeddings`): position p -> per_bucket[p // B] + in_bucket[p % B]."""
-
-    def __init__(self, max_positions: int, bucket_size: int, dim: int):
-        super().__init__()
-        self.bucket_size = bucket_size
-        self.per_bucket = nn.Parameter(torch.empty(math.ceil(max_positions / bucket_size), dim))
-        self.in_bucket = nn.Parameter(torch.empty(bucket_size, dim))
-
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.per_bucket[position_ids // self.bucket_size] + self.in_bucket[position_ids % self.bucket_size]
 
 
 @dataclass
@@ -621,7 +216,7 @@ class SinkhornPreTrainedModel(PreTrainedModel):
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         if requested_attention is not None and requested_attention not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(_unsupported_attention(requested_attention))
+            raise ValueError(unsupported_attention(requested_attention))
         return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     @classmethod
@@ -630,7 +225,7 @@ class SinkhornPreTrainedModel(PreTrainedModel):
 
     def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False) -> None:
         super().set_attn_implementation(attn_implementation, allow_all_kernels=allow_all_kernels)
-        implementation = _implementation(self.config)
+        implementation = attention_implementation(self.config)
         for module in self.modules():
             if isinstance(module, (LocalHeads, SinkhornHeads, CausalSinkhornHeads)):
                 module.implementation = implementation
@@ -671,26 +266,9 @@ class SinkhornModel(SinkhornPreTrainedModel):
             self.embed_positions = nn.Embedding(config.max_position_embeddings, emb)
         self.emb_dropout = nn.Dropout(config.emb_dropout)
         self.project_in = nn.Linear(emb, config.hidden_size) if emb != config.hidden_size else None
-        pkm = set(config.pkm_layers)
-        if config.weight_tie:
-            # as in the reference: the layers share layer 0's attention and feed-forward weights (and cross-attention
-            # ones), each keeping its own LayerNorms (see _tie_layer); product-key layers keep their own memory
-            self.layers = nn.ModuleList([SinkhornLayer(config, use_pkm=False) for _ in range(config.num_hidden_layers)])
-            self.pkm_blocks = nn.ModuleDict({str(i): FeedForwardBlock(config, use_pkm=True) for i in sorted(pkm)})
-            for depth in range(1, config.num_hidden_layers):
-                self._tie_layer(depth)
-            # per-layer FSDP units (`_no_split_modules`) would not gather the shared modules for the layers that
-            # call them but do not hold them: those modules are units of their own (with a product-key layer 1,
-            # layer 0's whole feed-forward block is shared)
-            shared = ["SinkhornSelfAttention", "FeedForward"]
-            shared += ["SinkhornCrossAttention"] if config.receives_context else []
-            shared += ["FeedForwardBlock"] if 1 in pkm else []
+        self.layers, self.pkm_blocks, shared = build_layers(config)
+        if shared:  # weight_tie: modules shared across layers are FSDP units of their own (see build_layers)
             self._no_split_modules = [*self._no_split_modules, *shared]
-        else:
-            self.layers = nn.ModuleList(
-                [SinkhornLayer(config, use_pkm=i + 1 in pkm) for i in range(config.num_hidden_layers)]
-            )
-            self.pkm_blocks = None
         # norm_after_project_out: the language model normalises after its projection back to emb_dim instead
         self.norm = (
             nn.Identity()
@@ -703,35 +281,9 @@ class SinkhornModel(SinkhornPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def _tie_layer(self, depth: int) -> None:
-        """weight_tie: layer `depth` (>= 1) keeps its LayerNorms and uses layer 0's attention and feed-forward
-        modules. These stay registered under layer 0 only (each shared weight has one name in the state dict); the
-        layer holds plain references. Layer 0's whole feed-forward block, norm included, serves the first layer
-        with a feed-forward when layer 0 itself is a product-key layer."""
-        first, layer = self.layers[0], self.layers[depth]
-        pkm = set(self.config.pkm_layers)
-        first_ff = min((d for d in range(self.config.num_hidden_layers) if d + 1 not in pkm), default=None)
-        shared = [(layer.attention, "attention", first.attention.attention)]
-        if depth + 1 in pkm or (depth == first_ff and 1 in pkm):
-            shared.append((layer, "feed_forward", first.feed_forward))  # (a product-key layer never calls it)
-        else:
-            shared.append((layer.feed_forward, "net", first.feed_forward.net))
-        if hasattr(first, "cross_attention"):
-            shared.append((layer.cross_attention, "attention", first.cross_attention.attention))
-            shared.append((layer.cross_feed_forward, "net", first.cross_feed_forward.net))
-        for parent, name, module in shared:
-            del parent._modules[name]
-            object.__setattr__(parent, name, module)  # an unregistered reference
-
     def _tied_norm_sources(self) -> list[tuple[str, str]]:
         """weight_tie: (name, layer 0's name) of every LayerNorm weight that layers >= 1 hold of their own."""
-        if not self.config.weight_tie:
-            return []
-        return [
-            (f"layers.{depth}.{name}", f"layers.0.{name}")
-            for depth in range(1, self.config.num_hidden_layers)
-            for name, _ in self.layers[depth].named_parameters()
-        ]
+        return tied_norm_sources(self.layers) if self.config.weight_tie else []
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # weight_tie folders saved before the layers had LayerNorms of their own hold one shared set (layer 0's):
@@ -756,11 +308,9 @@ class SinkhornModel(SinkhornPreTrainedModel):
         return self.layers[depth], None
 
     def _stack_blocks(self) -> list[tuple[nn.Module, nn.Module]]:
-        blocks = []
-        for depth in range(self.config.num_hidden_layers):
-            layer, ff = self._layer_at(depth)
-            blocks.extend(layer.blocks(ff))
-        return blocks
+        """Every layer's (f, g) pairs in order: the reversible stack's blocks."""
+        layers = [self._layer_at(depth) for depth in range(self.config.num_hidden_layers)]
+        return [pair for layer, ff in layers for pair in layer.blocks(ff)]
 
     @can_return_tuple
     def forward(
@@ -779,223 +329,154 @@ class SinkhornModel(SinkhornPreTrainedModel):
         **kwargs,
     ) -> SinkhornModelOutput:
         config = self.config
-        if output_attentions is None:
-            output_attentions = getattr(config, "output_attentions", False)
-        if output_attentions and self.training and config.layer_dropout > 0:
-            raise ValueError(
-                "SinkhornModel: output_attentions with layer_dropout > 0 in training mode is not supported (a "
-                "dropped layer attends nothing); call model.eval() first"
-            )
+        output_attentions, output_hidden_states = _output_options(self, output_attentions, output_hidden_states)
         batch, length = check_tokens(input_ids, inputs_embeds, config.vocab_size, config.embedding_size)
-        cache = cache if cache is not None else past_key_values
-        if cache is not None:
-            check_cache(cache, "sinkhorn", batch, cache.batch_size if isinstance(cache, SinkhornCache) else 0)
-        # a cache is for generation: by default none in training mode, and only a causal model can use one
-        if use_cache is None:
-            use_cache = config.use_cache and not self.training
-        use_cache = use_cache and config.causal
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        if output_hidden_states and config.reversible:
-            raise ValueError("SinkhornModel: output_hidden_states is not available with reversible=True")
-        if encoder_hidden_states is not None and not config.receives_context:
-            raise ValueError("SinkhornModel: encoder_hidden_states needs a config with receives_context=True")
-        if (
-            config.receives_context
-            and encoder_hidden_states is None
-            and not (isinstance(cache, SinkhornCache) and cache.prefilled)
-        ):
-            raise ValueError("SinkhornModel: receives_context=True needs encoder_hidden_states (the context)")
-        if cache is not None and not isinstance(cache, SinkhornCache):
-            if cache.get_seq_length() > 0:
-                raise ValueError(f"SinkhornModel: expected a SinkhornCache, got a filled {type(cache).__name__}")
-            # an empty generic cache (e.g. from EncoderDecoderModel.generate): use our own, not marked compileable,
-            # since that caller would then build transformers' 4-D attention masks from it
-            cache = SinkhornCache(config, compileable=False) if use_cache else None
-        elif use_cache and cache is None:
-            cache = SinkhornCache(config)
-        if not use_cache:
-            cache = None
-
+        cache = _cache_for(self, cache if cache is not None else past_key_values, use_cache, batch)
+        _check_context(config, encoder_hidden_states, cache)
         stepping = cache is not None and cache.prefilled
-        # tokens given before (host count; unknown after compiled steps, which check nothing here)
-        past = (cache._seen_host if stepping else 0) if not torch.compiler.is_compiling() else None
-        if past is not None and past + length > config.max_position_embeddings:
-            raise ValueError(
-                f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings "
-                f"({config.max_position_embeddings})"
-            )
-        if attention_mask is not None:  # generate() passes the mask of the whole sequence so far
-            so_far = past + length if past is not None else getattr(attention_mask, "shape", (0, length))[-1]
-            attention_mask = check_mask(attention_mask, batch, (length, so_far) if stepping else (length,), length)
-
-        if output_attentions and stepping:  # the slow explicit path, only when asked
+        attention_mask = _check_length_and_mask(config, attention_mask, batch, length, cache if stepping else None)
+        if stepping and output_attentions:  # the slow explicit path, only when asked
             return self._step_with_attentions(
                 input_ids, inputs_embeds, attention_mask, position_ids, cache, output_hidden_states
             )
-        # several new tokens on top of a filled cache: feed them one at a time (exact, generation-only path)
-        if stepping and length > 1:
-            outputs = []
-            for t in range(length):
-                out = self.forward(
-                    input_ids=input_ids[:, t : t + 1] if input_ids is not None else None,
-                    inputs_embeds=inputs_embeds[:, t : t + 1] if inputs_embeds is not None else None,
-                    attention_mask=attention_mask[:, t : t + 1] if attention_mask is not None else None,
-                    position_ids=position_ids[:, t : t + 1] if position_ids is not None else None,
-                    encoder_hidden_states=encoder_hidden_states,
-                    encoder_attention_mask=encoder_attention_mask,
-                    cache=cache,
-                    use_cache=True,
-                    return_dict=True,
-                )
-                outputs.append(out.last_hidden_state)
-            return SinkhornModelOutput(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
+        if stepping and length > 1:  # several new tokens on a filled cache: one at a time (exact, generation only)
+            return self._step_one_at_a_time(input_ids, inputs_embeds, attention_mask, position_ids, cache)
 
         device = (input_ids if input_ids is not None else inputs_embeds).device
         mask = (
             attention_mask if attention_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
         )
-        if position_ids is None:
-            before = cache.lengths[:, None] if stepping else 0
-            position_ids = (before + mask.long().cumsum(1) - 1).clamp_min(0)
+        if position_ids is None:  # positions count real tokens only
+            position_ids = _position_ids(mask, cache.lengths[:, None] if stepping else 0)  # [b, L]
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)  # [b, L, emb]
         if output_attentions and cache is not None:  # what later cached steps need for their attention maps
             cache.record_inputs(inputs_embeds, position_ids, encoder_hidden_states, encoder_attention_mask)
-        hidden = inputs_embeds + self.embed_positions(position_ids.clamp_max(config.max_position_embeddings - 1))
-        hidden = self.emb_dropout(hidden)
-        if self.project_in is not None:
-            hidden = self.project_in(hidden)
-
+        hidden = self._embed(inputs_embeds, position_ids)  # [b, L, hidden]
         context = context_mask = None
         if encoder_hidden_states is not None and not stepping:
-            context, context_mask = self._pad_context(encoder_hidden_states, encoder_attention_mask)
+            context, context_mask = _pad_context(encoder_hidden_states, encoder_attention_mask, config.context_bucket)
+        hidden, padded_mask, back = self._enter_buckets(hidden, mask, attention_mask is not None, cache, stepping)
 
-        # buckets start at each row's first real token: the real tokens of every row move to the front (in order),
-        # the outputs go back to their places at the end, so a row's outputs depend neither on its padding nor on
-        # the other rows
-        back = None
+        looks = [{} if output_attentions else None for _ in range(config.num_hidden_layers)]
+        shared = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
+        hidden, all_hidden = self._run_layers(hidden, shared, cache, looks, length, back, output_hidden_states)
+        hidden = self.norm(_permute_tokens(hidden[:, :length], back))  # [b, L, hidden] in the given order
+
+        if stepping:
+            cache.end_step(mask[:, 0])
+        elif cache is not None:
+            cache.end_prefill()
+        context_length = encoder_hidden_states.shape[1] if context is not None else None
+        maps = _attention_outputs(looks, back, length, context_length) if output_attentions else {}
+        return SinkhornModelOutput(last_hidden_state=hidden, cache=cache, hidden_states=all_hidden, **maps)
+
+    # -- the forward's steps, in its order ---------------------------------------------------------------------------
+
+    def _embed(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings plus positions, dropout, and the projection to the layers' width (factorised `emb_dim`)."""
+        positions = position_ids.clamp_max(self.config.max_position_embeddings - 1)
+        hidden = self.emb_dropout(inputs_embeds + self.embed_positions(positions))  # [b, L, emb]
+        return self.project_in(hidden) if self.project_in is not None else hidden
+
+    def _enter_buckets(self, hidden, mask, padding_given: bool, cache, stepping: bool):
+        """The layers' token layout -> hidden [b, L', e], its mask [b, L'] and the order that gives the tokens back
+        ([b, L], None: unchanged); the cache starts the call (a prefill or a step).
+
+        Buckets start at each row's first real token: the real tokens of every row move to the front, in order,
+        so a row's outputs depend neither on its padding nor on the other rows (`real_tokens_first`); then the
+        sequence is padded to whole buckets (L' >= L). A cached step's one token needs neither."""
         if stepping:
             cache.begin_step(mask[:, 0])
-            padded_mask = mask
-        else:
-            if cache is not None:
-                cache.begin_prefill(mask)
-            if attention_mask is not None:
-                order = real_tokens_first(mask)  # [b, L]
-                back = order.argsort(dim=1)
-                hidden, mask = _permute_tokens(hidden, order), mask.gather(1, order)
-            pad = (-length) % config.bucket_size
-            hidden = F.pad(hidden, (0, 0, 0, pad))
-            padded_mask = F.pad(mask, (0, pad), value=False)
-
-        # layer dropout: the residual stack drops a layer by discarding its output on the device (no host read, so
-        # a training step never waits for the device; the layer is still computed). The reversible stack needs the
-        # choice on the host to make the block an identity: it draws it on the CPU (a host-side read, no device sync)
-        layer_drop = self.training and config.layer_dropout > 0
-        skip = [False] * config.num_hidden_layers
-        keep = None
-        if layer_drop and self._reversible is not None:
-            skip = (torch.rand(config.num_hidden_layers) < config.layer_dropout).tolist()
-        elif layer_drop:
-            keep = torch.rand(config.num_hidden_layers, device=hidden.device) >= config.layer_dropout
-
-        all_hidden = (_permute_tokens(hidden[:, :length], back),) if output_hidden_states else None
-        looks = [{} if output_attentions else None for _ in range(config.num_hidden_layers)]
-        if self._reversible is not None and cache is None and not output_attentions:
-            per_layer = len(self.layers[0].blocks())
-            block_skip = [s for s in skip for _ in range(per_layer)]
-            f_kwargs = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
-            y1, y2 = self._reversible[0](hidden, hidden, f_kwargs=f_kwargs, skip=block_skip)
-            hidden = (y1 + y2) / 2
-        elif self._reversible is not None:
-            # with a cache or output_attentions: the same two-stream computation as a plain loop (blocks write the
-            # cache, the attention weights)
-            x1 = x2 = hidden
-            for depth in range(config.num_hidden_layers):
-                if skip[depth]:
-                    continue
-                layer, ff = self._layer_at(depth)
-                kwargs_f = dict(
-                    attention_mask=padded_mask,
-                    context=context,
-                    context_mask=context_mask,
-                    layer_cache=cache.layers[depth] if cache is not None else None,
-                    attn_weights=looks[depth],
-                )
-                for f, g in layer.blocks(ff):
-                    x1 = x1 + f(x2, **kwargs_f)
-                    x2 = x2 + g(x1)
-            hidden = (x1 + x2) / 2
-        else:
-            for depth in range(config.num_hidden_layers):
-                layer, ff = self._layer_at(depth)
-                out = layer(
-                    hidden,
-                    attention_mask=padded_mask,
-                    context=context,
-                    context_mask=context_mask,
-                    layer_cache=cache.layers[depth] if cache is not None else None,
-                    feed_forward=ff,
-                    attn_weights=looks[depth],
-                )
-                hidden = out if keep is None else torch.where(keep[depth], out, hidden)
-                if output_hidden_states:
-                    all_hidden = all_hidden + (_permute_tokens(hidden[:, :length], back),)
-        hidden = self.norm(_permute_tokens(hidden[:, :length], back))
-
+            return hidden, mask, None
         if cache is not None:
-            if stepping:
-                cache.end_step(mask[:, 0])
-            else:
-                cache.end_prefill()
-        attentions = cross_attentions = routing = None
-        if output_attentions:
-            # (maps in the order of the given tokens; routing in each row's bucket grid of its real tokens)
-            attentions = tuple(_permute_map(look["map"][:, :, :length, :length], back, keys=True) for look in looks)
-            routing = tuple(
-                SinkhornRouting(
-                    key_buckets=look["route"],
-                    weights=look["route_weight"],
-                    offsets=look["offset"],
-                    null_attention=None
-                    if look["null"] is None
-                    else _permute_map(look["null"][:, :, :length], back, keys=False),
-                )
-                for look in looks
+            cache.begin_prefill(mask)
+        back = None
+        if padding_given:
+            order = real_tokens_first(mask)  # [b, L]
+            back = order.argsort(dim=1)  # [b, L]: each token's place in the given order
+            hidden, mask = _permute_tokens(hidden, order), mask.gather(1, order)
+        pad = (-hidden.shape[1]) % self.config.bucket_size
+        return F.pad(hidden, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False), back
+
+    def _run_layers(self, hidden, shared: dict, cache, looks: list, length: int, back, output_hidden_states: bool):
+        """The layer stack -> (hidden [b, L', e], hidden states of every layer or None). `shared`: the kwargs every
+        layer gets (masks, context); each layer also gets its cache layer and its attention-map dict (`looks`).
+        Reversible layers run as one two-stream stack (reversible.py), the others as residual layers."""
+        per_layer = [
+            dict(layer_cache=cache.layers[depth] if cache is not None else None, attn_weights=looks[depth])
+            for depth in range(self.config.num_hidden_layers)
+        ]
+        if self._reversible is not None:
+            # layer dropout makes a dropped block an identity: the choice is drawn on the CPU (no device sync)
+            skip = [False] * self.config.num_hidden_layers
+            if self.training and self.config.layer_dropout > 0:
+                skip = (torch.rand(self.config.num_hidden_layers) < self.config.layer_dropout).tolist()
+            per_block = len(self.layers[0].blocks())
+            writes = cache is not None or looks[0] is not None  # blocks that fill a cache or maps run exactly once
+            block_kwargs = [kwargs for kwargs in per_layer for _ in range(per_block)] if writes else None
+            block_skip = [s for s in skip for _ in range(per_block)]
+            return self._reversible[0].run(hidden, shared, block_skip, block_kwargs), None
+        return self._residual_layers(hidden, shared, per_layer, length, back, output_hidden_states)
+
+    def _residual_layers(self, hidden, shared, per_layer, length, back, output_hidden_states):
+        """x = x + f(x); x = x + g(x) per block, layer by layer (each layer a gradient-checkpointing unit). Layer
+        dropout discards a dropped layer's output on the device (no host read, so a training step never waits for
+        the device; the layer is still computed)."""
+        keep = None
+        if self.training and self.config.layer_dropout > 0:
+            keep = torch.rand(self.config.num_hidden_layers, device=hidden.device) >= self.config.layer_dropout
+
+        def given_order(h):  # [b, L, e] in the order of the given tokens
+            return _permute_tokens(h[:, :length], back)
+
+        all_hidden = (given_order(hidden),) if output_hidden_states else None
+        for depth, kwargs in enumerate(per_layer):
+            layer, ff = self._layer_at(depth)
+            out = layer(hidden, **shared, **kwargs, feed_forward=ff)
+            hidden = out if keep is None else torch.where(keep[depth], out, hidden)
+            if output_hidden_states:
+                all_hidden = all_hidden + (given_order(hidden),)
+        return hidden, all_hidden
+
+    # -- tokens on a filled cache, outside the one-token step ---------------------------------------------------------
+
+    def _step_one_at_a_time(self, input_ids, inputs_embeds, attention_mask, position_ids, cache):
+        """Several new tokens on top of a filled cache: fed one at a time (exact; generation-only path)."""
+
+        def column(t, i):
+            return t[:, i : i + 1] if t is not None else None
+
+        outputs = []
+        for i in range((input_ids if input_ids is not None else inputs_embeds).shape[1]):
+            out = self.forward(
+                input_ids=column(input_ids, i),
+                inputs_embeds=column(inputs_embeds, i),
+                attention_mask=column(attention_mask, i),
+                position_ids=column(position_ids, i),
+                cache=cache,
+                use_cache=True,
+                return_dict=True,
             )
-            if context is not None:
-                lc = encoder_hidden_states.shape[1]
-                cross_attentions = tuple(
-                    _permute_map(look["cross"]["map"][:, :, :length, :lc], back, keys=False) for look in looks
-                )
-        return SinkhornModelOutput(
-            last_hidden_state=hidden,
-            cache=cache,
-            hidden_states=all_hidden,
-            attentions=attentions,
-            cross_attentions=cross_attentions,
-            routing=routing,
-        )
+            outputs.append(out.last_hidden_state)
+        return SinkhornModelOutput(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
 
     def _step_with_attentions(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, hidden_states):
         """Tokens on top of a filled cache with output_attentions: the cached step gives the outputs, and the new
         tokens' attention rows [batch, heads, new, all tokens so far] come from a forward over every token given so
         far without the cache (the cache records their embeddings and positions while maps are asked for; cached
         and uncached forwards give the same numbers). Slow, and only when asked."""
-        if cache.recorded is None:
-            raise ValueError(
-                "SinkhornModel: output_attentions on tokens fed on top of a filled cache needs the forward that "
-                "filled it to ask for output_attentions too"
-            )
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        new = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
-        mask = attention_mask if attention_mask is not None else new
+        mask = (
+            attention_mask
+            if attention_mask is not None
+            else torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        )
         if position_ids is None:  # as the step computes them
-            position_ids = (cache.lengths[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
-        past = cache.recorded[0].shape[1]
-        full_mask = torch.cat([cache.token_mask[:, :past], mask], dim=1)
-        cache.record_inputs(embeds, position_ids)
-        all_embeds, all_positions, context, context_mask = cache.recorded
+            position_ids = _position_ids(mask, cache.lengths[:, None])
+        all_embeds, all_positions, full_mask, context, context_mask = cache.record_step_inputs(
+            embeds, position_ids, mask
+        )
         full = self.forward(
             inputs_embeds=all_embeds, attention_mask=full_mask, position_ids=all_positions,
             encoder_hidden_states=context, encoder_attention_mask=context_mask, use_cache=False,
@@ -1016,14 +497,113 @@ class SinkhornModel(SinkhornPreTrainedModel):
             else tuple(a[:, :, -length:] for a in full.cross_attentions),
         )
 
-    def _pad_context(self, context: torch.Tensor, context_mask: torch.Tensor | None):
-        b, lc, _ = context.shape
-        if context_mask is not None:
-            mask = check_mask(context_mask, b, (lc,), lc, "encoder_attention_mask")
-        else:
-            mask = torch.ones(b, lc, dtype=torch.bool, device=context.device)
-        pad = (-lc) % self.config.context_bucket
-        return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model boundary: SinkhornModel.forward's checks and the cache a call uses (the shared checks: inputs.py)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _output_options(model, output_attentions, output_hidden_states) -> tuple[bool, bool]:
+    """output_attentions / output_hidden_states, defaulting to the config's, refused where the model cannot give
+    them."""
+    config = model.config
+    if output_attentions is None:
+        output_attentions = getattr(config, "output_attentions", False)
+    if output_attentions and model.training and config.layer_dropout > 0:
+        raise ValueError(
+            "SinkhornModel: output_attentions with layer_dropout > 0 in training mode is not supported (a "
+            "dropped layer attends nothing); call model.eval() first"
+        )
+    if output_hidden_states is None:
+        output_hidden_states = config.output_hidden_states
+    if output_hidden_states and config.reversible:
+        raise ValueError("SinkhornModel: output_hidden_states is not available with reversible=True")
+    return output_attentions, output_hidden_states
+
+
+def _cache_for(model, cache, use_cache, batch: int) -> SinkhornCache | None:
+    """The SinkhornCache this call fills or steps, or None. A cache is for generation: by default none in
+    training mode, and only a causal model uses one. An empty generic cache (e.g. from
+    EncoderDecoderModel.generate) is replaced by our own, not marked compileable, since that caller would then
+    build transformers' 4-D attention masks from it."""
+    config = model.config
+    if cache is not None:
+        check_cache(cache, "sinkhorn", batch, cache.batch_size if isinstance(cache, SinkhornCache) else 0)
+    if use_cache is None:
+        use_cache = config.use_cache and not model.training
+    use_cache = use_cache and config.causal
+    if cache is not None and not isinstance(cache, SinkhornCache):
+        if cache.get_seq_length() > 0:
+            raise ValueError(f"SinkhornModel: expected a SinkhornCache, got a filled {type(cache).__name__}")
+        cache = SinkhornCache(config, compileable=False) if use_cache else None
+    elif use_cache and cache is None:
+        cache = SinkhornCache(config)
+    return cache if use_cache else None
+
+
+def _check_context(config, encoder_hidden_states, cache) -> None:
+    """encoder_hidden_states exactly when the model cross-attends (a filled cache keeps the context)."""
+    if encoder_hidden_states is not None and not config.receives_context:
+        raise ValueError("SinkhornModel: encoder_hidden_states needs a config with receives_context=True")
+    filled = cache is not None and cache.prefilled
+    if config.receives_context and encoder_hidden_states is None and not filled:
+        raise ValueError("SinkhornModel: receives_context=True needs encoder_hidden_states (the context)")
+
+
+def _check_length_and_mask(config, attention_mask, batch: int, length: int, filled: SinkhornCache | None):
+    """Refuses sequences longer than the position table; the padding mask of the new tokens (generate() passes
+    the mask of the whole sequence so far) as bool, or None. `filled`: the cache being stepped."""
+    # tokens given before (host count; unknown after compiled steps, which check nothing here)
+    past = None if torch.compiler.is_compiling() else (filled.host_seq_length if filled is not None else 0)
+    limit = config.max_position_embeddings
+    if past is not None and past + length > limit:
+        raise ValueError(f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings ({limit})")
+    if attention_mask is None:
+        return None
+    so_far = past + length if past is not None else getattr(attention_mask, "shape", (0, length))[-1]
+    return check_mask(attention_mask, batch, (length, so_far) if filled is not None else (length,), length)
+
+
+def _pad_context(context: torch.Tensor, context_mask: torch.Tensor | None, bucket: int):
+    """The encoder states [b, Lc, e] and their mask [b, Lc], padded to whole context buckets of `bucket`."""
+    b, lc, _ = context.shape
+    if context_mask is not None:
+        mask = check_mask(context_mask, b, (lc,), lc, "encoder_attention_mask")
+    else:
+        mask = torch.ones(b, lc, dtype=torch.bool, device=context.device)
+    pad = (-lc) % bucket
+    return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
+
+
+def _position_ids(mask: torch.Tensor, before) -> torch.Tensor:
+    """Position ids [b, L] of new tokens that count real tokens only: `before` (0, or [b, 1] real tokens cached)
+    plus the real tokens up to each one (padding takes its neighbour's, clamped at 0)."""
+    return (before + mask.long().cumsum(1) - 1).clamp_min(0)
+
+
+def _attention_outputs(looks: list[dict], back, length: int, context_length: int | None) -> dict:
+    """The layers' attention dicts -> the output's attentions, cross_attentions (None without a context) and
+    routing: maps in the order of the given tokens; routing in each row's bucket grid of its real tokens."""
+
+    def given_order(t, keys):
+        return _permute_map(t, back, keys=keys)
+
+    attentions = tuple(given_order(look["map"][:, :, :length, :length], True) for look in looks)
+    routing = tuple(
+        SinkhornRouting(
+            key_buckets=look["route"],
+            weights=look["route_weight"],
+            offsets=look["offset"],
+            null_attention=None if look["null"] is None else given_order(look["null"][:, :, :length], False),
+        )
+        for look in looks
+    )
+    cross_attentions = None
+    if context_length is not None:
+        cross_attentions = tuple(
+            given_order(look["cross"]["map"][:, :, :length, :context_length], False) for look in looks
+        )
+    return dict(attentions=attentions, cross_attentions=cross_attentions, routing=routing)
 
 
 class _SinkhornLanguageModel(SinkhornPreTrainedModel):

@@ -130,74 +130,81 @@ class _ReversibleFunction(torch.autograd.Function):
     def backward(ctx, dy1, dy2):
         plan: _Plan = ctx.plan
         y1, y2, *kwarg_tensors = ctx.saved_tensors
-        # leaves standing in for the kwargs tensors that require grad, so their gradients can be collected
-        kwarg_leaves = [t.detach().requires_grad_(True) for t in kwarg_tensors]
-
-        def substitute(t: torch.Tensor) -> torch.Tensor:
-            index = plan.kwarg_ids.get(id(t))
-            return t if index is None else kwarg_leaves[index]
-
-        f_kwargs = _map_tensors(plan.f_kwargs, substitute)
-        g_kwargs = _map_tensors(plan.g_kwargs, substitute)
-        # indices (each once, even if a tensor appears twice in the kwargs) of the leaves f and g depend on
-        f_leaf_ids = list(dict.fromkeys(plan.kwarg_ids[id(t)] for t in _grad_tensors(plan.f_kwargs)))
-        g_leaf_ids = list(dict.fromkeys(plan.kwarg_ids[id(t)] for t in _grad_tensors(plan.g_kwargs)))
-        f_leaves = [kwarg_leaves[k] for k in f_leaf_ids]
-        g_leaves = [kwarg_leaves[k] for k in g_leaf_ids]
-
-        param_grads: list[torch.Tensor | None] = [None] * len(plan.params)
-        kwarg_grads: list[torch.Tensor | None] = [None] * len(kwarg_leaves)
-
-        def accumulate(store, index, grad):
-            if grad is not None:
-                store[index] = grad if store[index] is None else store[index] + grad
-
-        device_type, autocast_enabled, autocast_dtype = plan.autocast
-
-        def autocast():
-            # the recomputation runs under the autocast setting of the forward pass
-            return torch.autocast(device_type, autocast_dtype, enabled=autocast_enabled)
-
+        grads = _Gradients(plan, kwarg_tensors)
         y1, y2 = y1.detach(), y2.detach()
         for i in reversed(range(len(plan.blocks))):
             if plan.skip[i]:
                 continue
             f, g = plan.blocks[i]
             f_rng, g_rng = plan.rng[i]
-            f_params = [plan.params[j] for j in plan.f_param_ids[i]]
-            g_params = [plan.params[j] for j in plan.g_param_ids[i]]
-
             # g: y2 = x2 + g(y1)  ->  x2 = y2 - g(y1); dL/dy1 gains the gradient through g
-            y1_leaf = y1.requires_grad_(True)
-            with torch.enable_grad(), autocast(), g_rng.replayed():
-                g_out = g(y1_leaf, **g_kwargs)
-            grads = torch.autograd.grad(g_out, [y1_leaf, *g_params, *g_leaves], dy2, allow_unused=True)
+            g_out, dx = grads.through(g, "g", i, y1, g_rng, dy2)
             with torch.no_grad():
                 x2 = y2 - g_out
-                dy1 = dy1 + grads[0] if grads[0] is not None else dy1
-            for j, grad in zip(plan.g_param_ids[i], grads[1 : 1 + len(g_params)]):
-                accumulate(param_grads, j, grad)
-            for k, grad in zip(g_leaf_ids, grads[1 + len(g_params) :]):
-                accumulate(kwarg_grads, k, grad)
-            del g_out, grads
-
+                dy1 = dy1 + dx if dx is not None else dy1
+            del g_out
             # f: y1 = x1 + f(x2)  ->  x1 = y1 - f(x2); dL/dx2 = dL/dy2 + gradient through f
-            x2_leaf = x2.detach().requires_grad_(True)
-            with torch.enable_grad(), autocast(), f_rng.replayed():
-                f_out = f(x2_leaf, **f_kwargs)
-            grads = torch.autograd.grad(f_out, [x2_leaf, *f_params, *f_leaves], dy1, allow_unused=True)
+            f_out, dx = grads.through(f, "f", i, x2, f_rng, dy1)
             with torch.no_grad():
-                x1 = y1.detach() - f_out
-                dy2 = dy2 + grads[0] if grads[0] is not None else dy2
-            for j, grad in zip(plan.f_param_ids[i], grads[1 : 1 + len(f_params)]):
-                accumulate(param_grads, j, grad)
-            for k, grad in zip(f_leaf_ids, grads[1 + len(f_params) :]):
-                accumulate(kwarg_grads, k, grad)
-            del f_out, grads
-
+                x1 = y1 - f_out
+                dy2 = dy2 + dx if dx is not None else dy2
+            del f_out
             # the block's inputs become the previous block's outputs; dy1 is already dL/dx1
             y1, y2 = x1.detach(), x2.detach()
-        return dy1, dy2, None, *param_grads, *kwarg_grads
+        return dy1, dy2, None, *grads.params, *grads.kwargs
+
+
+class _Gradients:
+    """The backward pass's bookkeeping: leaves standing in for the kwargs tensors that require grad (so that their
+    gradients can be collected), f's and g's kwargs with those leaves substituted, and the gradients of every
+    parameter and kwargs tensor, summed over the blocks (and positions of a shared block) as the recomputation
+    walks back through the stack."""
+
+    def __init__(self, plan: _Plan, kwarg_tensors: list[torch.Tensor]):
+        self.plan = plan
+        self.leaves = [t.detach().requires_grad_(True) for t in kwarg_tensors]
+
+        def substitute(t: torch.Tensor) -> torch.Tensor:
+            index = plan.kwarg_ids.get(id(t))
+            return t if index is None else self.leaves[index]
+
+        given = {"f": plan.f_kwargs, "g": plan.g_kwargs}
+        self.kwargs_of = {name: _map_tensors(kwargs, substitute) for name, kwargs in given.items()}
+        # indices (each once, even if a tensor appears twice in the kwargs) of the leaves f and g depend on
+        self.leaf_ids_of = {
+            name: list(dict.fromkeys(plan.kwarg_ids[id(t)] for t in _grad_tensors(kwargs)))
+            for name, kwargs in given.items()
+        }
+        self.param_ids_of = {"f": plan.f_param_ids, "g": plan.g_param_ids}
+        self.params: list[torch.Tensor | None] = [None] * len(plan.params)
+        self.kwargs: list[torch.Tensor | None] = [None] * len(self.leaves)
+
+    def through(self, fn, which: str, block: int, x: torch.Tensor, rng: _RngState, grad_out: torch.Tensor):
+        """Recompute `fn(x)` (f or g, `which`, of block `block`) as the forward pass ran it (its RNG state, its
+        autocast setting), differentiate it against `grad_out`, add the gradients of its parameters and kwargs
+        tensors to the totals -> (fn's output, the gradient with respect to x or None)."""
+        param_ids, leaf_ids = self.param_ids_of[which][block], self.leaf_ids_of[which]
+        params = [self.plan.params[j] for j in param_ids]
+        leaves = [self.leaves[k] for k in leaf_ids]
+        x_leaf = x.detach().requires_grad_(True)
+        device_type, autocast_enabled, autocast_dtype = self.plan.autocast
+        # the recomputation runs under the autocast setting of the forward pass
+        with (
+            torch.enable_grad(),
+            torch.autocast(device_type, autocast_dtype, enabled=autocast_enabled),
+            rng.replayed(),
+        ):
+            out = fn(x_leaf, **self.kwargs_of[which])
+        grads = torch.autograd.grad(out, [x_leaf, *params, *leaves], grad_out, allow_unused=True)
+        _accumulate(self.params, param_ids, grads[1 : 1 + len(params)])
+        _accumulate(self.kwargs, leaf_ids, grads[1 + len(params) :])
+        return out, grads[0]
+
+
+def _accumulate(store: list, indices: list[int], grads) -> None:
+    for index, grad in zip(indices, grads):
+        if grad is not None:
+            store[index] = grad if store[index] is None else store[index] + grad
 
 
 def _refuse_sharded_parameters(blocks: list[tuple[nn.Module, nn.Module]]) -> None:
@@ -286,3 +293,20 @@ class ReversibleSequence(nn.Module):
 
         plan = _Plan(blocks, f_kwargs, g_kwargs, skip, params, f_param_ids, g_param_ids, kwarg_ids)
         return _ReversibleFunction.apply(x1, x2, plan, *params, *kwarg_tensors)
+
+    def run(self, x: torch.Tensor, f_kwargs: dict, skip: list[bool], block_kwargs: list[dict] | None = None):
+        """A model's layer stack: both streams start at x [b, L, e]; returns their mean after the last block.
+
+        Without `block_kwargs` through `forward` (the memory-saving backward). `block_kwargs` (one dict per block,
+        added to f's kwargs: a generation cache to fill, dicts that receive attention maps) makes it a plain loop
+        over the same blocks, with the same numbers: blocks that write state must run exactly once, which the
+        recomputing backward would not respect."""
+        if block_kwargs is None:
+            y1, y2 = self(x, x, f_kwargs=f_kwargs, skip=skip)
+            return (y1 + y2) / 2
+        x1 = x2 = x
+        for (f, g), extra, skipped in zip(self.blocks, block_kwargs, skip):
+            if not skipped:
+                x1 = x1 + f(x2, **f_kwargs, **extra)
+                x2 = x2 + g(x1)
+        return (x1 + x2) / 2

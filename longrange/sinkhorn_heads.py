@@ -1,196 +1,32 @@
-"""The Sinkhorn model's bucketed attention heads: routing helpers, then the head groups (local, Sinkhorn,
-causal Sinkhorn) and the one-pass pair of ordinary and shifted causal groups. `modeling_sinkhorn.py` builds its
-attention layers from these groups; the algorithm is described there.
+"""The Sinkhorn model's bucketed attention heads: the head groups (local, Sinkhorn, causal Sinkhorn and its
+cross-attention variant) and the one-pass pair of ordinary and shifted causal groups. `sinkhorn_attention.py`
+builds the attention layers from these groups; the routing math is in `sinkhorn_routing.py`; the algorithm is
+described in `modeling_sinkhorn.py`.
 
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import attend, put_along
-
-_NEG = -1e30  # routing score of a candidate that may not be chosen (float32 routing math)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# routing helpers
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def routing_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b` in float32 whatever autocast says, for the routing summaries and scores: under bf16 autocast a
-    product would be rounded to bf16, enough to flip routing choices between a bf16 and a float32 step (the
-    Gumbel-Sinkhorn balancing most). Outside autocast exactly `a @ b` on float32 tensors."""
-    with torch.autocast(a.device.type, enabled=False):
-        return a.float() @ b.float()
-
-
-def routing_einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
-    """`torch.einsum` in float32 whatever autocast says (see routing_matmul)."""
-    with torch.autocast(operands[0].device.type, enabled=False):
-        return torch.einsum(equation, *(t.float() for t in operands))
-
-
-def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked per-bucket sums in float32. x: [b, h, L, d], mask: [b, L] -> sums [b, h, n, d], counts [b, n]."""
-    b, h, length, d = x.shape
-    n = length // bucket
-    m = mask.view(b, n, bucket).to(torch.float32)
-    sums = routing_einsum("bhnsd,bns->bhnd", x.view(b, h, n, bucket, d), m)  # a batched matmul, no temporary
-    return sums, m.sum(2)
-
-
-def select_buckets(
-    scores: torch.Tensor,
-    valid: torch.Tensor,
-    n_select: int,
-    temperature: float,
-    sinkhorn_iter: int | None = None,
-    gumbel: bool = False,
-    weighted: bool = False,
-    sequential: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Choose `n_select` candidates per row.
-
-    scores: float32 [b, h, q, c]; valid: bool broadcastable to it (candidates that may be chosen).
-    sinkhorn_iter: None = independent top-k per row (non-permutative); an int = Gumbel-Sinkhorn balancing of the
-    score matrix first (noise only when `gumbel`, i.e. in training).
-    Returns indices [b, h, q, n_select], picked_valid (bool, same shape) and the straight-through scale (same
-    shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass (None when
-    gradients are off). `weighted`: the scale is the routing weight itself (forward and backward; never None).
-    `sequential` (top-k only): the i-th pick's weight is the softmax over the candidates not picked before it.
-    """
-    valid = valid.expand(scores.shape)
-    logits = scores.masked_fill(~valid, _NEG)
-    if sinkhorn_iter is None:
-        # ties (e.g. null buckets scored alike) go to the lowest index, the same in the full and the cached pass
-        idx = logits.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
-        log_weights = (logits / temperature).log_softmax(dim=-1)
-    else:
-        if gumbel:
-            uniform = torch.rand_like(logits).clamp(1e-6, 1 - 1e-6)
-            logits = logits - torch.log(-torch.log(uniform))
-        log_weights = (logits / temperature).masked_fill(~valid, _NEG)
-        for _ in range(sinkhorn_iter):
-            log_weights = (log_weights - log_weights.logsumexp(-1, keepdim=True)).masked_fill(~valid, _NEG)
-            log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, _NEG)
-        # (ties to the lowest index, as above: balancing can tie candidates exactly, e.g. two of equal column mass)
-        idx = log_weights.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
-    picked_valid = valid.gather(-1, idx)
-    if sequential:
-        picked = _sequential_log_weights(logits / temperature, idx)
-    else:
-        picked = log_weights.gather(-1, idx)
-    if weighted:
-        return idx, picked_valid, picked.masked_fill(~picked_valid, 0.0).exp()
-    if not torch.is_grad_enabled():
-        return idx, picked_valid, None  # the scale is exactly 1: only its gradient matters
-    picked = picked.masked_fill(~picked_valid, 0.0)
-    scale = torch.exp(picked - picked.detach())
-    return idx, picked_valid, scale
-
-
-def _sequential_log_weights(scaled: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Log-weight of each pick as a softmax over the candidates left after the earlier picks (sinkhorn-transformer's
-    iterative top-k). scaled: [..., c] scores / temperature; idx: [..., k] picks in order -> [..., k]."""
-    left = scaled
-    parts = []
-    for i in range(idx.shape[-1]):
-        pick = idx[..., i : i + 1]
-        parts.append(scaled.gather(-1, pick) - left.logsumexp(-1, keepdim=True))
-        left = left.scatter(-1, pick, float("-inf"))
-    return torch.cat(parts, dim=-1)
-
-
-def _batch_head_index(b: int, h: int, ndim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index tensors [b, 1, ...] and [1, h, ...] (ndim dims) for advanced indexing of [b, h, ...] tensors."""
-    shape_b = [b] + [1] * (ndim - 1)
-    shape_h = [1, h] + [1] * (ndim - 2)
-    return torch.arange(b, device=device).view(shape_b), torch.arange(h, device=device).view(shape_h)
-
-
-def _pick_buckets(tensors, heads: slice, start: int, size: int, which: torch.Tensor) -> list[torch.Tensor]:
-    """Whole buckets of cache slots: bucket j of a head is slots start + j * size ... start + (j + 1) * size - 1.
-
-    tensors: a layer's keys and values, each [b, H, S, d] (S a multiple of size); heads: the group's heads;
-    which: [b, h or 1, k] bucket indices (clamped into range; callers mask what falls outside) -> each [b, h,
-    k * size, d]. Every (row, head, bucket) is one row of a strided view of the cache, so the pick is one
-    `index_select` of contiguous blocks (several times faster on the CPU than advanced indexing or `gather`)."""
-    b, n_heads, slots, d = tensors[0].shape
-    per_head = slots // size
-    skip, shift = divmod(start, size)  # whole buckets, then slots
-    h = heads.stop - heads.start
-    head = torch.arange(b, device=which.device)[:, None] * n_heads + heads.start + torch.arange(h, device=which.device)
-    flat = (head[..., None] * per_head + (which + skip).clamp(0, per_head - 2)).reshape(-1)  # [b * h * k]
-    # (each tensor is a cache tensor of its own: contiguous, at the start of its storage)
-    shape, strides = (b * n_heads * per_head - 1, size, d), (size * d, d, 1)
-    return [t.as_strided(shape, strides, shift * d).index_select(0, flat).view(b, h, -1, d) for t in tensors]
-
-
-def _prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
-    """t shifted along the bucket dim: entry u holds entry u - shift (u + |shift| when negative), `fill` outside."""
-    n = t.shape[dim]
-    pad_shape = list(t.shape)
-    pad_shape[dim] = abs(shift)
-    pad = torch.full(pad_shape, fill, dtype=t.dtype, device=t.device)
-    if shift > 0:
-        return torch.cat([pad, t.narrow(dim, 0, n - shift)], dim=dim)
-    return torch.cat([t.narrow(dim, -shift, n + shift), pad], dim=dim)
-
-
-def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool mask (True = may attend) -> additive float mask (0 or the dtype's most negative value)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
-
-def attend_buckets(q, k, v, mask, dropout: float, implementation: str, bias=None, return_weights=False):
-    """Attention inside buckets. q: [b, h, n, Lq, d]; k, v: [b, h, n, K, d]; mask (bool) or bias (additive
-    float): broadcastable to [b, h, n, Lq or 1, K]. Heads and buckets are merged into one dimension because the
-    fused sdpa kernels take 4-D inputs (5-D inputs fall back to a path about 3x slower on CPU).
-
-    `bias` is for callers whose every real query row sees at least one key: it skips `attend`'s bool-to-float
-    conversion and its zeroing of fully masked rows (only padded query rows can be fully masked there, and
-    their outputs are never used). `return_weights` (output_attentions): the explicit softmax, whatever the
-    implementation, and also its probabilities (after dropout) [b, h, n, Lq, K]."""
-    b, h, n, lq, d = q.shape
-    keys = k.shape[3]
-    given = mask if bias is None else bias
-    rows = given.shape[3]
-    flat = given.expand(b, h, n, rows, keys).reshape(b, h * n, rows, keys)
-    out = attend(
-        q.reshape(b, h * n, lq, d),
-        k.reshape(b, h * n, keys, d),
-        v.reshape(b, h * n, keys, d),
-        flat if bias is None else None,
-        bias=flat if bias is not None else None,
-        dropout=dropout,
-        implementation=implementation,
-        return_weights=return_weights,
-    )
-    if return_weights:
-        out, probs = out
-        return out.view(b, h, n, lq, d), probs.view(b, h, n, lq, keys)
-    return out.view(b, h, n, lq, d)
-
-
-def token_weights(probs, key_pos, factor, width: int) -> torch.Tensor:
-    """Bucketed attention probabilities placed at the keys' token positions (output_attentions).
-
-    probs: [b, h, n, Lq, K]; key_pos: long, broadcastable to [b, h, n, K], the column of each key in the dense
-    map (-1: no token, its probability is zero); factor: the weight that multiplies each key's value (routed
-    buckets' routing weights), broadcastable to [b, h, n, K], or None. Returns [b, h, n * Lq, width] with
-    output = map @ values; a token that is a key twice in a bucket (own bucket also routed) adds up."""
-    b, h, n, lq, keys = probs.shape
-    if factor is not None:
-        probs = probs * factor.to(probs.dtype)[..., None, :]
-    index = key_pos.masked_fill(key_pos < 0, width)[..., None, :].expand(b, h, n, lq, keys)
-    dense = probs.new_zeros(b, h, n, lq, width + 1).scatter_add_(-1, index, probs)
-    return dense[..., :width].reshape(b, h, n * lq, width)
-
+from .layers import attend
+from .sinkhorn_routing import (
+    additive,
+    attend_buckets,
+    batch_head_index,
+    bucket_sums,
+    pick_buckets,
+    prev_bucket,
+    routing_einsum,
+    routing_matmul,
+    select_buckets,
+    token_weights,
+)
 
 # ----------------------------------------------------------------------------------------------------------------
 # head groups: each handles a contiguous slice of the heads
@@ -208,16 +44,16 @@ class LocalHeads(nn.Module):
     def forward(self, q, k, v, mask, record=None, attn_weights=None):
         """q, k, v: [b, h, L, d]; mask: [b, L] real tokens. Nothing to record for the cache: a step reads the
         window straight from the cached keys/values. `attn_weights`: a dict that receives the dense attention
-        map (output_attentions; see `SinkhornSelfAttention.forward`)."""
+        map (output_attentions; see `SinkhornSelfAttention.forward`, sinkhorn_attention.py)."""
         b, h, length, d = q.shape
         size = self.bucket_size
         n = length // size
         bq, bk, bv = (t.reshape(b, h, n, size, d) for t in (q, k, v))  # [b, h, n, B, d]
         bm = mask.view(b, 1, n, size)
         shifts = (1, 0) if self.causal else (1, 0, -1)
-        keys = torch.cat([_prev_bucket(bk, 2, s, 0.0) if s else bk for s in shifts], dim=3)  # [b, h, n, kB, d]
-        values = torch.cat([_prev_bucket(bv, 2, s, 0.0) if s else bv for s in shifts], dim=3)
-        key_mask = torch.cat([_prev_bucket(bm, 2, s, False) if s else bm for s in shifts], dim=3)  # [b,1,n,kB]
+        keys = torch.cat([prev_bucket(bk, 2, s, 0.0) if s else bk for s in shifts], dim=3)  # [b, h, n, kB, d]
+        values = torch.cat([prev_bucket(bv, 2, s, 0.0) if s else bv for s in shifts], dim=3)
+        key_mask = torch.cat([prev_bucket(bm, 2, s, False) if s else bm for s in shifts], dim=3)  # [b,1,n,kB]
         attn_mask = key_mask[:, :, :, None, :]  # [b, 1, n, 1, kB]
         if self.causal:
             own = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
@@ -231,7 +67,7 @@ class LocalHeads(nn.Module):
         if attn_weights is not None:
             out, probs = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias, True)
             pos = torch.arange(length, device=q.device).view(1, 1, n, size)
-            key_pos = torch.cat([_prev_bucket(pos, 2, s, -1) if s else pos for s in shifts], dim=3)
+            key_pos = torch.cat([prev_bucket(pos, 2, s, -1) if s else pos for s in shifts], dim=3)
             attn_weights["map"] = token_weights(probs, key_pos, None, length)
             return out.reshape(b, h, length, d)
         out = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias=bias)
@@ -247,7 +83,7 @@ class LocalHeads(nn.Module):
         size = self.bucket_size
         u = torch.div(position, size, rounding_mode="floor")  # [b]
         which = torch.stack([u - 1, u], dim=-1)[:, None]  # [b, 1, 2]
-        k, v = _pick_buckets((keys, values), heads, origin, size, which)
+        k, v = pick_buckets((keys, values), heads, origin, size, which)
         pos = ((u - 1) * size)[:, None] + torch.arange(2 * size, device=q.device)  # [b, 2B]
         m = (pos >= 0) & (pos <= position[:, None])  # the token always sees itself
         return attend(q, k, v, bias=additive(m[:, None, None, :], q.dtype), implementation=self.implementation)
@@ -299,7 +135,10 @@ class SinkhornHeads(nn.Module):
     def forward(self, q, k, v, q_mask, k_mask=None, record=None, attn_weights=None):
         """q: [b, h, Lq, d]; k, v: [b, h, Lk, d]; q_mask / k_mask: [b, L] real tokens (k_mask defaults to q_mask,
         self-attention). `record` is unused: non-causal models have no generation cache. `attn_weights`: a dict
-        that receives the dense attention map and the routing (output_attentions)."""
+        that receives the dense attention map and the routing (output_attentions).
+
+        Steps: bucket summaries; the sort net's scores; the routing choice and gathering the chosen buckets (each
+        query bucket's own, or SortCut's one choice shared by all); the own bucket; attention."""
         k_mask = q_mask if k_mask is None else k_mask
         b, h, lq, d = q.shape
         nq, nk = lq // self.bucket_size, k.shape[2] // self.kv_bucket_size
@@ -309,34 +148,9 @@ class SinkhornHeads(nn.Module):
         bkm = k_mask.view(b, nk, self.kv_bucket_size)
         q_sums, q_counts = bucket_sums(q, q_mask, self.bucket_size)  # [b, h, nq, d], [b, nq]
         k_sums, k_counts = bucket_sums(k, k_mask, self.kv_bucket_size)
-        k_valid = (k_counts > 0)[:, None, None, :]  # [b, 1, 1, nk]
         own = torch.arange(nq, device=q.device)
-
-        if self.n_sortcut > 0:
-            summary = q_sums.sum(2, keepdim=True) / q_counts.sum(1).clamp_min(1)[:, None, None, None]
-            scores = routing_matmul(summary, (k_sums / k_counts.clamp_min(1)[:, None, :, None]).transpose(-1, -2))
-            scores = scores * d**-0.5
-            n_sel = min(self.n_sortcut, nk)
-            valid = k_valid
-        else:
-            if self.sort_net is not None:
-                feats = torch.cat([q_sums, k_sums], dim=-1)  # [b, h, n, 2d] (self-attention: nq == nk)
-                scores = F.relu(routing_einsum("bhne,hem->bhnm", feats, self.sort_net))[..., :nk]
-                if self.simple_scores == "log_relu":
-                    scores = torch.log(scores + 1e-6)
-            else:
-                sq = q_sums / q_counts.clamp_min(1)[:, None, :, None]
-                sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
-                scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, nq, nk]
-            valid = k_valid
-            if self.sinkhorn_iter is not None:  # balancing: query buckets of padding alone take no part
-                valid = valid & (q_counts > 0)[:, None, :, None]
-            exclude_own = self.include_own and not self.route_own_bucket
-            if exclude_own:
-                valid = valid & (own[:, None] != torch.arange(nk, device=q.device))[None, None]
-            n_sel = min(self.n_top, nk - 1 if exclude_own else nk)
-
-        keys_parts, value_parts, mask_parts, pos_parts, factor_parts = [], [], [], [], []
+        scores, valid, n_sel = self._scores(q_sums, q_counts, k_sums, k_counts, own)  # [b, h, 1 or nq, nk]
+        parts = _KeyParts()
         k_pos = torch.arange(nk * self.kv_bucket_size, device=q.device).view(nk, self.kv_bucket_size)
         if n_sel > 0:
             idx, picked_valid, scale = select_buckets(
@@ -349,68 +163,197 @@ class SinkhornHeads(nn.Module):
                 self.weight_routed_values,
                 self.sequential_weights,
             )  # [b, h, 1 or nq, n_sel]
-            bi, hi = _batch_head_index(b, h, 4, q.device)
-            routed_k = bk[bi, hi, idx]  # [b, h, 1 or nq, n_sel, Bk, d]
-            routed_v = bv[bi, hi, idx]
-            if scale is not None:
-                routed_v = routed_v * scale[..., None, None].to(v.dtype)
-                if self.weight_routed_keys:
-                    routed_k = routed_k * scale[..., None, None].to(k.dtype)
-            routed_m = bkm[bi, idx] & picked_valid[..., None]  # [b, h, 1 or nq, n_sel, Bk]
-            if self.n_sortcut > 0 and self.include_own and not self.route_own_bucket:
-                # a query bucket already attends its own bucket: drop it from the shared choice
-                routed_m = routed_m & (idx[..., None] != own[None, None, :, None, None])
-            rows = idx.shape[2]  # 1 with SortCut (shared by every query bucket), else nq
-            keys_parts.append(routed_k.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d))
-            value_parts.append(routed_v.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d))
-            mask_parts.append(routed_m.reshape(b, h, routed_m.shape[2], -1).expand(b, h, nq, -1))
-            if attn_weights is not None:
-                pos_parts.append(k_pos[idx].reshape(b, h, rows, -1).expand(b, h, nq, -1))
-                weight = torch.ones_like(idx, dtype=torch.float32) if scale is None else scale.float()
-                factor_parts.append(
-                    weight[..., None]
-                    .expand(*idx.shape, self.kv_bucket_size)
-                    .reshape(b, h, rows, -1)
-                    .expand(b, h, nq, -1)
-                )
-                # the routing: each query bucket's chosen key buckets (-1 where a pick is masked out) and weights
-                shown = routed_m.any(-1).expand(b, h, nq, n_sel)
-                attn_weights["route"] = idx.expand(b, h, nq, n_sel).masked_fill(~shown, -1)
-                attn_weights["route_weight"] = weight.expand(b, h, nq, n_sel).masked_fill(~shown, 0.0)
+            self._add_chosen(parts, (bk, bv, bkm), idx, picked_valid, scale, own, k_pos, nq, attn_weights)
         if self.include_own:
-            keys_parts.append(bk)
-            value_parts.append(bv)
-            mask_parts.append(bkm[:, None].expand(b, h, nq, -1))
+            parts.add(bk, bv, bkm[:, None].expand(b, h, nq, -1))
             if attn_weights is not None:
-                pos_parts.append(k_pos.expand(b, h, nq, -1))
-                factor_parts.append(torch.ones(b, h, nq, self.kv_bucket_size, device=q.device))
-        keys = torch.cat(keys_parts, dim=3)  # [b, h, nq, K, d]
-        values = torch.cat(value_parts, dim=3)
-        attn_mask = torch.cat(mask_parts, dim=3)[:, :, :, None, :]  # [b, h, nq, 1, K]
+                parts.place(k_pos.expand(b, h, nq, -1), torch.ones(b, h, nq, self.kv_bucket_size, device=q.device))
+        out = self._attend(bq, parts, attn_weights, k.shape[2])
+        return out.reshape(b, h, lq, d)
+
+    def _scores(self, q_sums, q_counts, k_sums, k_counts, own):
+        """The sort net -> scores [b, h, 1 or nq, nk] (float32), which key buckets may be chosen, how many are.
+
+        SortCut: one summary of all queries scores the key buckets (one row). Otherwise per query bucket: the
+        attention sort net (mean query . mean key / sqrt(d)) or the simple one (relu(W [sum q; sum k]) scores key
+        positions directly); Sinkhorn balancing leaves query buckets of padding alone out; a bucket's own key
+        bucket is no choice when it is attended anyway (unless route_own_bucket)."""
+        d, nk = q_sums.shape[-1], k_sums.shape[2]
+        k_valid = (k_counts > 0)[:, None, None, :]  # [b, 1, 1, nk]
+        if self.n_sortcut > 0:
+            summary = q_sums.sum(2, keepdim=True) / q_counts.sum(1).clamp_min(1)[:, None, None, None]
+            scores = routing_matmul(summary, (k_sums / k_counts.clamp_min(1)[:, None, :, None]).transpose(-1, -2))
+            return scores * d**-0.5, k_valid, min(self.n_sortcut, nk)
+        if self.sort_net is not None:
+            feats = torch.cat([q_sums, k_sums], dim=-1)  # [b, h, n, 2d] (self-attention: nq == nk)
+            scores = F.relu(routing_einsum("bhne,hem->bhnm", feats, self.sort_net))[..., :nk]
+            if self.simple_scores == "log_relu":
+                scores = torch.log(scores + 1e-6)
+        else:
+            sq = q_sums / q_counts.clamp_min(1)[:, None, :, None]
+            sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+            scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, nq, nk]
+        valid = k_valid
+        if self.sinkhorn_iter is not None:  # balancing: query buckets of padding alone take no part
+            valid = valid & (q_counts > 0)[:, None, :, None]
+        exclude_own = self.include_own and not self.route_own_bucket
+        if exclude_own:
+            valid = valid & (own[:, None] != torch.arange(nk, device=own.device))[None, None]
+        return scores, valid, min(self.n_top, nk - 1 if exclude_own else nk)
+
+    def _add_chosen(self, parts, bucketed, idx, picked_valid, scale, own, k_pos, nq: int, attn_weights) -> None:
+        """The chosen key buckets (`bucketed`: keys, values [b, h, nk, Bk, d], mask [b, nk, Bk]; idx [b, h, 1 or nq,
+        n_sel]) as every query bucket's keys; values (and keys with weight_routed_keys) times the routing weight or
+        its straight-through scale. output_attentions: their columns and factors, and the routing."""
+        bk, bv, bkm = bucketed
+        b, h, rows, n_sel = idx.shape  # rows: 1 with SortCut (shared by every query bucket), else nq
+        d = bk.shape[-1]
+        bi, hi = batch_head_index(b, h, 4, idx.device)
+        routed_k = bk[bi, hi, idx]  # [b, h, 1 or nq, n_sel, Bk, d]
+        routed_v = bv[bi, hi, idx]
+        if scale is not None:
+            routed_v = routed_v * scale[..., None, None].to(bv.dtype)
+            if self.weight_routed_keys:
+                routed_k = routed_k * scale[..., None, None].to(bk.dtype)
+        routed_m = bkm[bi, idx] & picked_valid[..., None]  # [b, h, 1 or nq, n_sel, Bk]
+        if self.n_sortcut > 0 and self.include_own and not self.route_own_bucket:
+            # a query bucket already attends its own bucket: drop it from the shared choice
+            routed_m = routed_m & (idx[..., None] != own[None, None, :, None, None])
+        parts.add(
+            routed_k.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d),
+            routed_v.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d),
+            routed_m.reshape(b, h, routed_m.shape[2], -1).expand(b, h, nq, -1),
+        )
+        if attn_weights is None:
+            return
+        weight = torch.ones_like(idx, dtype=torch.float32) if scale is None else scale.float()
+        factor = weight[..., None].expand(*idx.shape, self.kv_bucket_size).reshape(b, h, rows, -1)
+        parts.place(k_pos[idx].reshape(b, h, rows, -1).expand(b, h, nq, -1), factor.expand(b, h, nq, -1))
+        # the routing: each query bucket's chosen key buckets (-1 where a pick is masked out) and weights
+        shown = routed_m.any(-1).expand(b, h, nq, n_sel)
+        attn_weights["route"] = idx.expand(b, h, nq, n_sel).masked_fill(~shown, -1)
+        attn_weights["route_weight"] = weight.expand(b, h, nq, n_sel).masked_fill(~shown, 0.0)
+
+    def _attend(self, bq, parts, attn_weights, key_length: int):
+        """Attention of each query bucket [b, h, nq, B, d] over its keys (`parts`) -> [b, h, nq, B, d]."""
+        keys = torch.cat(parts.keys, dim=3)  # [b, h, nq, K, d]
+        values = torch.cat(parts.values, dim=3)
+        attn_mask = torch.cat(parts.mask, dim=3)[:, :, :, None, :]  # [b, h, nq, 1, K]
         p = self.dropout if self.training else 0.0
         want = attn_weights is not None
         if self.include_own:  # a real query always sees itself: an additive mask is enough
-            bias = additive(attn_mask, q.dtype)
+            bias = additive(attn_mask, bq.dtype)
             out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=bias, return_weights=want)
         else:  # cross-attention: a row may see no context at all and must then give zeros
             out = attend_buckets(bq, keys, values, attn_mask, p, self.implementation, return_weights=want)
         if want:
             out, probs = out
-            key_pos, factor = torch.cat(pos_parts, dim=3), torch.cat(factor_parts, dim=3)
-            attn_weights["map"] = token_weights(probs, key_pos, factor, k.shape[2])
-        return out.reshape(b, h, lq, d)
+            key_pos, factor = torch.cat(parts.pos, dim=3), torch.cat(parts.factor, dim=3)
+            attn_weights["map"] = token_weights(probs, key_pos, factor, key_length)
+        return out
 
 
-class CausalSinkhornHeads(nn.Module):
+class _KeyParts:
+    """The pieces of each query bucket's keys, concatenated along the key dim: keys, values [b, h, nq, K_i, d],
+    mask [b, h, nq, K_i] and, for output_attentions, their columns in the map and value factors."""
+
+    def __init__(self):
+        self.keys, self.values, self.mask, self.pos, self.factor = [], [], [], [], []
+
+    def add(self, keys, values, mask) -> None:
+        self.keys.append(keys)
+        self.values.append(values)
+        self.mask.append(mask)
+
+    def place(self, pos, factor) -> None:
+        self.pos.append(pos)
+        self.factor.append(factor)
+
+
+class _Bank(NamedTuple):
+    """A causal group's routing candidates (see `CausalSinkhornHeads.bucketed`): scores [b, h, n, candidates]
+    (float32), which may be chosen (bool, broadcastable to it), how many are chosen, and the bank they are picked
+    from: keys, values [b, h, candidates, slots, d], key mask [b, candidates, slots]. Self-attention also keeps
+    the own buckets [b, h, n, B, d] and the key-bucket sums and counts (for the cache); cross-attention has none."""
+
+    scores: torch.Tensor
+    valid: torch.Tensor
+    n_sel: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    own_keys: torch.Tensor | None = None
+    own_values: torch.Tensor | None = None
+    k_sums: torch.Tensor | None = None
+    k_counts: torch.Tensor | None = None
+
+
+class CausalDecoding:
+    """The causal Sinkhorn heads' side of a cached decoding step (mixed into `CausalSinkhornHeads`): the routing
+    choice of one query bucket per row and one token's attention. The cache keeps the routing state
+    (`RoutingState`, cache_sinkhorn.py) and answers with summaries and the keys and values to attend; the heads
+    choose and attend. Static shapes and no host reads: every step computes a routing choice and keeps it only in
+    the rows whose token leads a bucket (torch.where); positions are per-row tensors."""
+
+    def choose(self, sq, sk, valid_real):
+        """Routing of one query bucket per row from the query summary sq [b, h, d] over the key-bucket summaries
+        sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
+        unless weight_routed_values), each [b, h, n_sel]."""
+        scores, valid, n_sel = self._step_scores(sq, sk, valid_real)
+        idx, picked_valid, weight = self._select(scores, valid, n_sel)
+        return idx[:, :, 0], picked_valid[:, :, 0], weight[:, :, 0] if self.weight_routed_values else None
+
+    def _step_scores(self, sq, sk, valid_real):
+        """`choose`'s candidates: the null buckets, then the key buckets -> scores [b, h, 1, n_null + n], which may
+        be chosen (bool, broadcastable) and how many are chosen."""
+        b, h, d = sq.shape
+        column = sq[..., None] * d**-0.5  # [b, h, d, 1]
+        if self.zero_null_score:
+            null_scores = sq.new_zeros(b, h, self.n_top, 1)
+        else:
+            null_scores = routing_matmul(self.null_keys, column)  # [b, h, n_null, 1]
+        scores = torch.cat([null_scores, routing_matmul(sk, column)], dim=2).transpose(-1, -2)
+        nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
+        return scores, torch.cat([nulls, valid_real], dim=-1)[:, None, None, :], self.n_top
+
+    def _route(self, state, position, real, u, context=None) -> None:
+        """Rows whose real token (`real` [b]) at `position` [b] leads a bucket choose that bucket's key buckets, from
+        the running query mean and the key-bucket summaries the cache keeps (cross-attention: the context's)."""
+        sq = state.query_summary()  # [b, h, d]
+        sk, k_valid = state.key_summaries(u) if context is None else (context["sk"], context["k_valid"])
+        lead = real & ((position + self.offset) % self.bucket_size == 0)
+        state.keep_route(lead, *self.choose(sq, sk, k_valid))
+
+    def step(self, q, k, v, keys, values, heads, step, state):
+        """Causal self-attention of one new token per row (q, k, v: [b, h, 1, d]; step: the cache's DecodingStep,
+        positions [b] and real [b]). keys/values: the layer's bank [b, H, S, d], the new token already written;
+        for this group's `heads` it holds, as whole buckets from slot `1 - offset` on, the null buckets then the
+        row's real tokens (see `SinkhornLayerState`): the bucket bank of `bucketed`, so the chosen buckets and the
+        own bucket are picked by index, one block copy each. state: this group's `RoutingState`.
+
+        Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
+        (n_top + 1) * bucket_size keys. A host-following step (see `SinkhornCache`) routes only when some row
+        starts a bucket, and the cache reuses the last step's window otherwise."""
+        ix = state.step_index(step, q.shape)
+        state.add_token(q, k, step.position, ix)
+        routes = step.host is None or state.any_row_leads(step.host)
+        if routes:
+            self._route(state, step.position, ix["counted"], ix["u"])
+        keys_all, values_all, bias = state.window((keys, values), heads, step, ix, (k, v), routes, q.dtype)
+        return attend(q, keys_all, values_all, bias=bias, implementation=self.implementation)
+
+
+class CausalSinkhornHeads(CausalDecoding, nn.Module):
     """Causal Sinkhorn attention for a slice of heads whose buckets start at `offset` tokens before the usual ones
     (offset 0: ordinary buckets; offset 1: buckets shifted by bucket_size - 1, the reference's rotated heads).
 
     Query bucket u chooses `n_top` candidates among `n_top` learned null buckets and the strictly earlier,
     non-empty key buckets, from the cumulative mean of the queries up to its leading token. A null bucket is one
-    learned key/value per head. Used for self-attention (`null buckets`, own bucket causal) and for a causal
-    decoder's cross-attention (`cross=True`: context buckets, no own bucket, no null buckets, no causality
-    constraint on which context bucket may be chosen).
+    learned key/value per head; the query bucket attends the chosen buckets and, causally, its own bucket. A
+    causal decoder's cross-attention is `CausalContextHeads`.
     """
+
+    cross = False  # (CausalContextHeads: True)
 
     def __init__(
         self,
@@ -422,8 +365,6 @@ class CausalSinkhornHeads(nn.Module):
         temperature: float,
         dropout: float,
         implementation: str,
-        cross: bool = False,
-        kv_bucket_size: int | None = None,
         weight_routed_values: bool = False,
         weight_routed_keys: bool = False,
         sequential_weights: bool = False,
@@ -440,10 +381,9 @@ class CausalSinkhornHeads(nn.Module):
         self.running_key_summary, self.zero_null_score = key_summary == "running_mean_sum", null_score == "zero"
         self.null_copies, self.skip_first = null_copies, skip_first_bucket and offset > 0
         self.num_heads, self.head_dim, self.bucket_size = num_heads, head_dim, bucket_size
-        self.kv_bucket_size = kv_bucket_size or bucket_size
-        self.n_top, self.offset, self.cross = n_top, offset, cross
+        self.n_top, self.offset = n_top, offset
         self.temperature, self.dropout, self.implementation = temperature, dropout, implementation
-        if not cross:
+        if not self.cross:
             self.null_keys = nn.Parameter(torch.empty(num_heads, n_top, head_dim))
             self.null_values = nn.Parameter(torch.empty(num_heads, n_top, head_dim))
 
@@ -471,145 +411,169 @@ class CausalSinkhornHeads(nn.Module):
         """The attention over buckets of already shifted inputs (length a multiple of bucket_size), output not
         trimmed. null: (null keys, null values) [b or 1, h, n_null, d] for self-attention, None for cross.
         attn_weights: receives the map [b, h, L, L + n_null] (self-attention: the null buckets' keys in the last
-        columns) or [b, h, L, Lk] (cross), and the routing (bucket indices into the bank: null buckets first)."""
-        size = self.bucket_size
+        columns) or [b, h, L, Lk] (cross), and the routing (bucket indices into the bank: null buckets first).
+
+        Steps: the query summaries at each bucket's leading token; the candidate bank and the sort net's scores;
+        the routing choice; gathering the chosen buckets; attention (self: chosen buckets plus the own bucket,
+        causal); what the generation cache keeps."""
         b, h, lq, d = q.shape
-        n = lq // size
-        bq = q.reshape(b, h, n, size, d)
-        # tokens that enter the routing summaries (skip_first: not the short first bucket of shifted heads)
+        bq = q.reshape(b, h, lq // self.bucket_size, self.bucket_size, d)  # [b, h, n, B, d]
+        counted, q_sums, sq = self._query_summaries(q, bq, mask)
+        bank = self._bank(sq, k, v, mask, k_mask, counted, null)
+        idx, picked_valid, scale = self._select(bank.scores, bank.valid, bank.n_sel)  # [b, h, n, n_sel]
+        routed = self._gather_chosen(bank, idx, picked_valid, scale)  # keys, values, mask [b, h, n, n_sel * B(, d)]
+        placed = None
+        if attn_weights is not None:
+            placed = self._routed_columns(bank, idx, picked_valid, scale, lq, attn_weights)
+        out = self._attend(bq, routed, bank, mask, placed, attn_weights, k.shape[2])
+        if record is not None:
+            self._record(record, q_sums, counted, idx, picked_valid, scale, bank, k)
+        return out.reshape(b, h, lq, d)
+
+    def _query_summaries(self, q, bq, mask):
+        """-> the tokens that enter the routing summaries [b, L] (skip_first: not the short first bucket of shifted
+        heads), the per-bucket query sums [b, h, n, d] and, per bucket, the mean of the queries up to its leading
+        token (inclusive) [b, h, n, d]: what the bucket's routing may depend on."""
+        size = self.bucket_size
+        b, n = bq.shape[0], bq.shape[2]
         counted = F.pad(mask[:, size:], (size, 0), value=False) if self.skip_first else mask
         q_sums, q_counts = bucket_sums(q, counted, size)  # [b, h, n, d], [b, n]
         lead_real = counted.view(b, n, size)[..., 0]  # [b, n]
         lead_q = bq[:, :, :, 0].float() * lead_real[:, None, :, None]  # leading tokens [b, h, n, d]
         lead_sum = q_sums.cumsum(2) - q_sums + lead_q  # queries summed up to each leading token (inclusive)
         lead_count = q_counts.cumsum(-1) - q_counts + lead_real
-        sq = lead_sum / lead_count.clamp_min(1)[:, None, :, None]  # [b, h, n, d]
+        return counted, q_sums, lead_sum / lead_count.clamp_min(1)[:, None, :, None]
 
-        if self.cross:
-            key_mask = k_mask
-            nk = k.shape[2] // self.kv_bucket_size
-            bk = k.reshape(b, h, nk, self.kv_bucket_size, d)
-            bv = v.reshape(b, h, nk, self.kv_bucket_size, d)
-            k_sums, k_counts = bucket_sums(k, key_mask, self.kv_bucket_size)
-            sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
-            scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, n, nk]
-            valid = (k_counts > 0)[:, None, None, :]
-            n_sel = min(self.n_top, nk)
-            bank_k, bank_v, bank_m = bk, bv, key_mask.view(b, nk, self.kv_bucket_size)
+    def _bank(self, sq, k, v, mask, k_mask, counted, null) -> _Bank:
+        """Self-attention: the candidates are the null buckets (the learned key in every slot, all but slot 0
+        masked unless null_copies), then the strictly earlier, non-empty key buckets."""
+        size, n_null = self.bucket_size, self.n_top
+        b, h, length, d = k.shape
+        n = length // size
+        bk, bv = k.reshape(b, h, n, size, d), v.reshape(b, h, n, size, d)
+        k_sums, k_counts = bucket_sums(k, counted, size)
+        if self.running_key_summary:
+            # each key bucket: the sum over its tokens of the running mean of all keys so far
+            c = counted.to(torch.float32)[:, None, :, None]  # [b, 1, L, 1]
+            running = (k.float() * c).cumsum(2) / c.cumsum(2).clamp_min(1)
+            k_sums = (running * c).view(b, h, n, size, d).sum(3)  # [b, h, n, d]
+            sk = k_sums
         else:
-            key_mask = mask
-            bk, bv = k.reshape(b, h, n, size, d), v.reshape(b, h, n, size, d)
-            k_sums, k_counts = bucket_sums(k, counted, size)
-            if self.running_key_summary:
-                # each key bucket: the sum over its tokens of the running mean of all keys so far
-                c = counted.to(torch.float32)[:, None, :, None]  # [b, 1, L, 1]
-                running = (k.float() * c).cumsum(2) / c.cumsum(2).clamp_min(1)
-                k_sums = (running * c).view(b, h, n, size, d).sum(3)  # [b, h, n, d]
-                sk = k_sums
-            else:
-                sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
-            n_null = self.n_top
-            null_keys, null_values = null
-            if self.zero_null_score:
-                null_scores = sq.new_zeros(b, h, n, n_null)
-            else:
-                null_scores = routing_matmul(sq, null_keys.transpose(-1, -2))  # [b, h, n, n_null]
-            scores = torch.cat([null_scores, routing_matmul(sq, sk.transpose(-1, -2))], dim=-1) * d**-0.5
-            earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)  # key bucket j < query bucket u
-            real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
-            valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=q.device), real_valid], dim=-1)
-            if self.skip_first:  # the short first bucket attends no chosen bucket
-                valid = valid & (torch.arange(n, device=q.device) > 0)[None, None, :, None]
-            n_sel = n_null
-            # candidate bank: null buckets (the learned key in every slot, all but slot 0 masked unless null_copies)
-            # then the real buckets
-            null_k = null_keys[:, :, :, None].expand(-1, -1, -1, size, -1).to(k.dtype).expand(b, -1, -1, -1, -1)
-            null_v = null_values[:, :, :, None].expand(-1, -1, -1, size, -1).to(v.dtype).expand(b, -1, -1, -1, -1)
-            bank_k = torch.cat([null_k, bk], dim=2)  # [b, h, n_null + n, B, d]
-            bank_v = torch.cat([null_v, bv], dim=2)
-            null_m = torch.zeros(b, n_null, size, dtype=torch.bool, device=q.device)
-            null_m[:, :, 0 if not self.null_copies else slice(None)] = True
-            bank_m = torch.cat([null_m, key_mask.view(b, n, size)], dim=1)  # [b, n_null + n, B]
+            sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+        null_keys, null_values = null
+        if self.zero_null_score:
+            null_scores = sq.new_zeros(b, h, n, n_null)
+        else:
+            null_scores = routing_matmul(sq, null_keys.transpose(-1, -2))  # [b, h, n, n_null]
+        scores = torch.cat([null_scores, routing_matmul(sq, sk.transpose(-1, -2))], dim=-1) * d**-0.5
+        earlier = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)  # key bucket j < query bucket u
+        real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
+        valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=k.device), real_valid], dim=-1)
+        if self.skip_first:  # the short first bucket attends no chosen bucket
+            valid = valid & (torch.arange(n, device=k.device) > 0)[None, None, :, None]
+        null_k = null_keys[:, :, :, None].expand(-1, -1, -1, size, -1).to(k.dtype).expand(b, -1, -1, -1, -1)
+        null_v = null_values[:, :, :, None].expand(-1, -1, -1, size, -1).to(v.dtype).expand(b, -1, -1, -1, -1)
+        null_m = torch.zeros(b, n_null, size, dtype=torch.bool, device=k.device)
+        null_m[:, :, 0 if not self.null_copies else slice(None)] = True
+        return _Bank(
+            scores=scores,
+            valid=valid,
+            n_sel=n_null,
+            keys=torch.cat([null_k, bk], dim=2),  # [b, h, n_null + n, B, d]
+            values=torch.cat([null_v, bv], dim=2),
+            mask=torch.cat([null_m, mask.view(b, n, size)], dim=1),  # [b, n_null + n, B]
+            own_keys=bk,
+            own_values=bv,
+            k_sums=k_sums,
+            k_counts=k_counts,
+        )
 
-        idx, picked_valid, scale = self._select(scores, valid, n_sel)  # [b, h, n, n_sel]
-        bi, hi = _batch_head_index(b, h, 4, q.device)
-        routed_k = bank_k[bi, hi, idx]  # [b, h, n, n_sel, B, d]
-        routed_v = bank_v[bi, hi, idx]
+    def _gather_chosen(self, bank: _Bank, idx, picked_valid, scale):
+        """The chosen buckets' keys, values [b, h, n, n_sel * B, d] (values, and keys with weight_routed_keys,
+        times the routing weight or its straight-through scale) and key mask [b, h, n, n_sel * B]."""
+        b, h, n, _ = idx.shape
+        d = bank.keys.shape[-1]
+        bi, hi = batch_head_index(b, h, 4, idx.device)
+        routed_k = bank.keys[bi, hi, idx]  # [b, h, n, n_sel, B, d]
+        routed_v = bank.values[bi, hi, idx]
         if scale is not None:
-            routed_v = routed_v * scale[..., None, None].to(v.dtype)
+            routed_v = routed_v * scale[..., None, None].to(routed_v.dtype)
             if self.weight_routed_keys:
-                routed_k = routed_k * scale[..., None, None].to(k.dtype)
+                routed_k = routed_k * scale[..., None, None].to(routed_k.dtype)
         routed_k = routed_k.reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
         routed_v = routed_v.reshape(b, h, n, -1, d)
-        routed_m = (bank_m[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
-        p = self.dropout if self.training else 0.0
-        want = attn_weights is not None
-        if want:
-            # each slot's column in the map: bank bucket j's slot s is token j * B + s (self-attention: the null
-            # buckets, first in the bank, are the columns after the tokens)
-            slot = torch.arange(bank_k.shape[3], device=q.device)
-            if self.cross:
-                bank_pos = torch.arange(bank_k.shape[2], device=q.device)[:, None] * bank_k.shape[3] + slot
-            else:
-                bank_pos = torch.cat(
-                    [
-                        (lq + torch.arange(n_sel, device=q.device))[:, None].expand(-1, size),
-                        torch.arange(lq, device=q.device).view(n, size),
-                    ]
-                )  # [n_null + n, B]
-            routed_pos = bank_pos[idx].reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
-            weight = torch.ones_like(idx, dtype=torch.float32) if scale is None else scale.float()
-            routed_factor = weight[..., None].expand(*idx.shape, bank_k.shape[3]).reshape(b, h, n, -1)
-            attn_weights["route"] = idx.masked_fill(~picked_valid, -1)
-            attn_weights["route_weight"] = weight.masked_fill(~picked_valid, 0.0)
-        if self.cross:
-            # a row may see no context at all (fully padded context): bool mask, zeros for such rows
-            out = attend_buckets(
-                bq, routed_k, routed_v, routed_m[:, :, :, None, :], p, self.implementation, return_weights=want
-            )
-            if want:
-                out, probs = out
-                attn_weights["map"] = token_weights(probs, routed_pos, routed_factor, k.shape[2])
-        else:
-            keys = torch.cat([routed_k, bk], dim=3)  # [b, h, n, (n_sel + 1) B, d]
-            values = torch.cat([routed_v, bv], dim=3)
-            causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-            own_m = key_mask.view(b, 1, n, 1, size) & causal  # [b, 1, n, B, B]
-            # every row sees at least one key (each pick is a valid null or non-empty bucket), so the mask is
-            # built additive from its two small pieces: one pass over the full [b, h, n, B, K] tensor
-            bias = torch.cat(
-                [
-                    additive(routed_m, q.dtype)[:, :, :, None, :].expand(b, h, n, size, -1),
-                    additive(own_m, q.dtype).expand(b, h, n, size, size),
-                ],
-                dim=-1,
-            )
-            out = attend_buckets(bq, keys, values, None, p, self.implementation, bias=bias, return_weights=want)
-            if want:
-                out, probs = out
-                own_pos = torch.arange(lq, device=q.device).view(1, 1, n, size).expand(b, h, n, size)
-                key_pos = torch.cat([routed_pos, own_pos], dim=3)
-                factor = torch.cat([routed_factor, routed_factor.new_ones(b, h, n, size)], dim=3)
-                attn_weights["map"] = token_weights(probs, key_pos, factor, lq + n_sel)
-        out = out.reshape(b, h, lq, d)
+        routed_m = (bank.mask[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
+        return routed_k, routed_v, routed_m
 
-        if record is not None:
-            record["q_sum"] = q_sums.sum(2)  # [b, h, d]
-            record["q_count"] = counted.sum(1).float()  # [b]
-            record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
-            record["route_valid"] = picked_valid
-            record["route_weight"] = scale.detach() if self.weight_routed_values else None  # [b, h, n, n_sel]
-            if not self.cross:
-                record["k_sum"] = k_sums  # [b, h, n, d] (running_key_summary: the summaries themselves)
-                record["k_count"] = k_counts  # [b, n]
-                if self.running_key_summary:
-                    record["k_run_sum"] = (k.float() * counted[:, None, :, None]).sum(2)  # [b, h, d]
-                    record["k_run_count"] = counted.sum(1).float()  # [b]
+    def _routed_columns(self, bank: _Bank, idx, picked_valid, scale, lq: int, attn_weights: dict):
+        """output_attentions: each chosen slot's column in the map [b, h, n, n_sel * B] (bank bucket j's slot s is
+        token j * B + s; self-attention: the null buckets, first in the bank, are the columns after the tokens)
+        and the factor its value was multiplied by; the routing goes to `attn_weights`."""
+        b, h, n, n_sel = idx.shape
+        nb, slots = bank.keys.shape[2], bank.keys.shape[3]
+        bank_pos = self._bank_columns(nb, slots, n_sel, lq, idx.device)
+        routed_pos = bank_pos[idx].reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
+        weight = torch.ones_like(idx, dtype=torch.float32) if scale is None else scale.float()
+        routed_factor = weight[..., None].expand(*idx.shape, slots).reshape(b, h, n, -1)
+        attn_weights["route"] = idx.masked_fill(~picked_valid, -1)
+        attn_weights["route_weight"] = weight.masked_fill(~picked_valid, 0.0)
+        return routed_pos, routed_factor
+
+    def _bank_columns(self, nb: int, slots: int, n_sel: int, lq: int, device) -> torch.Tensor:
+        """Each bank slot's column in the attention map [nb, slots]: the null buckets (first in the bank) are the
+        columns after the `lq` tokens, the key buckets' slots their tokens."""
+        size = self.bucket_size
+        return torch.cat(
+            [
+                (lq + torch.arange(n_sel, device=device))[:, None].expand(-1, size),
+                torch.arange(lq, device=device).view(lq // size, size),
+            ]
+        )  # [n_null + n, B]
+
+    def _attend(self, bq, routed, bank: _Bank, mask, placed, attn_weights, key_length: int):
+        """Self-attention over the chosen buckets and the own bucket up to each query -> [b, h, n, B, d]."""
+        routed_k, routed_v, routed_m = routed
+        b, h, n, size, _ = bq.shape
+        keys = torch.cat([routed_k, bank.own_keys], dim=3)  # [b, h, n, (n_sel + 1) B, d]
+        values = torch.cat([routed_v, bank.own_values], dim=3)
+        causal = torch.ones(size, size, dtype=torch.bool, device=bq.device).tril()
+        own_m = mask.view(b, 1, n, 1, size) & causal  # [b, 1, n, B, B]
+        # every row sees at least one key (each pick is a valid null or non-empty bucket), so the mask is
+        # built additive from its two small pieces: one pass over the full [b, h, n, B, K] tensor
+        bias = torch.cat(
+            [
+                additive(routed_m, bq.dtype)[:, :, :, None, :].expand(b, h, n, size, -1),
+                additive(own_m, bq.dtype).expand(b, h, n, size, size),
+            ],
+            dim=-1,
+        )
+        want = attn_weights is not None
+        out = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias=bias, return_weights=want)
+        if want:
+            out, probs = out
+            routed_pos, routed_factor = placed
+            own_pos = torch.arange(n * size, device=bq.device).view(1, 1, n, size).expand(b, h, n, size)
+            key_pos = torch.cat([routed_pos, own_pos], dim=3)
+            factor = torch.cat([routed_factor, routed_factor.new_ones(b, h, n, size)], dim=3)
+            attn_weights["map"] = token_weights(probs, key_pos, factor, n * size + bank.n_sel)
         return out
 
-    # -- one token with a cache --------------------------------------------------------------------------------
-    # Static shapes and no host reads: every step computes a routing choice and keeps it only in the rows whose
-    # token leads a bucket (torch.where); positions are per-row tensors.
+    def _p(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def _record(self, record, q_sums, counted, idx, picked_valid, scale, bank: _Bank, k) -> None:
+        """What the generation cache keeps of a full pass (see `SinkhornLayerState.fill_self` / `fill_cross`)."""
+        record["q_sum"] = q_sums.sum(2)  # [b, h, d]
+        record["q_count"] = counted.sum(1).float()  # [b]
+        record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
+        record["route_valid"] = picked_valid
+        record["route_weight"] = scale.detach() if self.weight_routed_values else None  # [b, h, n, n_sel]
+        if not self.cross:
+            record["k_sum"] = bank.k_sums  # [b, h, n, d] (running_key_summary: the summaries themselves)
+            record["k_count"] = bank.k_counts  # [b, n]
+            if self.running_key_summary:
+                record["k_run_sum"] = (k.float() * counted[:, None, :, None]).sum(2)  # [b, h, d]
+                record["k_run_count"] = counted.sum(1).float()  # [b]
 
     def _select(self, scores, valid, n_sel):
         """`select_buckets` with this group's routing options (a causal group never runs Sinkhorn balancing)."""
@@ -622,222 +586,67 @@ class CausalSinkhornHeads(nn.Module):
             sequential=self.sequential_weights,
         )
 
-    def _choose(self, sq, sk, valid_real):
-        """Routing of one query bucket per row from the query summary sq [b, h, d] over the key-bucket summaries
-        sk [b, h, n, d] (valid_real: [b, n] candidates that may be chosen). -> idx, picked_valid, weight (None
-        unless weight_routed_values), each [b, h, n_sel]."""
-        b, h, d = sq.shape
-        column = sq[..., None] * d**-0.5  # [b, h, d, 1]
-        if self.cross:
-            scores = routing_matmul(sk, column).transpose(-1, -2)  # [b, h, 1, n]
-            valid = valid_real[:, None, None, :]
-            n_sel = min(self.n_top, sk.shape[2])
-        else:
-            if self.zero_null_score:
-                null_scores = sq.new_zeros(b, h, self.n_top, 1)
-            else:
-                null_scores = routing_matmul(self.null_keys, column)  # [b, h, n_null, 1]
-            scores = torch.cat([null_scores, routing_matmul(sk, column)], dim=2).transpose(
-                -1, -2
-            )  # [b, h, 1, n_null + n]
-            nulls = torch.ones(b, self.n_top, dtype=torch.bool, device=sq.device)
-            valid = torch.cat([nulls, valid_real], dim=-1)[:, None, None, :]
-            n_sel = self.n_top
-        idx, picked_valid, weight = self._select(scores, valid, n_sel)
-        return idx[:, :, 0], picked_valid[:, :, 0], weight[:, :, 0] if self.weight_routed_values else None
 
-    def _key_summaries(self, state, u):
-        """Key-bucket summaries [b, h, nb, d] and which buckets a query bucket u [b] may choose ([b, nb])."""
-        counts = state["k_count"]
-        sk = state["k_sum"] if self.running_key_summary else state["k_sum"] / counts.clamp_min(1)[:, None, :, None]
-        earlier = torch.arange(counts.shape[1], device=counts.device)[None] < u[:, None]
-        return sk, earlier & (counts > 0)
+class CausalContextHeads(CausalSinkhornHeads):
+    """A causal decoder's cross-attention: query bucket u chooses `n_top` of the context's non-empty buckets (of
+    `kv_bucket_size`; no null buckets, no own bucket, no causality constraint on which context bucket may be
+    chosen) from the cumulative mean of its queries up to its leading token, as the self-attention heads do."""
 
-    def route_step(self, q, position, real, state, sk=None, k_valid=None, u=None, choose=True):
-        """Add the token at `position` [b] (real: [b] bool, whether it enters the summaries) to the running query
-        sum; rows whose token leads a bucket choose that bucket's key buckets (choose=False: the caller knows
-        that no row does). Self-attention reads the key summaries from `state`; cross-attention passes the
-        context's (sk, k_valid)."""
-        size, off = self.bucket_size, self.offset
-        if u is None:
-            u = torch.div(position + off, size, rounding_mode="floor")
-        state["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
-        state["q_count"].add_(real.float())
-        if not choose:
-            return
-        sq = state["q_sum"] / state["q_count"].clamp_min(1)[:, None, None]  # [b, h, d]
-        if not self.cross:
-            sk, k_valid = self._key_summaries(state, u)
-        lead = real & ((position + off) % size == 0)
-        self._keep_route(state, lead, *self._choose(sq, sk, k_valid))
+    cross = True
 
-    @staticmethod
-    def _keep_route(state, rows, idx, picked_valid, weight):
-        """Store the new routing choice in `rows` [b]."""
-        keep = rows[:, None, None]
-        state["route"] = torch.where(keep, idx, state["route"])
-        state["route_valid"] = torch.where(keep, picked_valid, state["route_valid"])
-        if weight is not None:
-            state["route_weight"] = torch.where(keep, weight, state["route_weight"])
+    def __init__(
+        self, num_heads, head_dim, bucket_size, kv_bucket_size, n_top, temperature, dropout, implementation, **routing
+    ):
+        super().__init__(num_heads, head_dim, bucket_size, n_top, 0, temperature, dropout, implementation, **routing)
+        self.kv_bucket_size = kv_bucket_size
 
-    def step(self, q, k, v, keys, values, heads, position, real, state, host=None):
-        """Causal self-attention of one new token per row at `position` [b] (already written to keys/values). q, k,
-        v: [b, h, 1, d]; real: [b] bool. keys/values: the layer's cache [b, H, S, d]; for this group's `heads` it
-        holds, as whole buckets from slot `1 - offset` on, the null buckets then the row's real tokens (see
-        `SinkhornLayerState`): the bucket bank of `bucketed`, so the chosen buckets and the own bucket are picked
-        by index, one block copy each.
-
-        Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
-        (n_top + 1) * bucket_size keys. host: None (static step), or (positions, real, epoch, memo) for a
-        host-following step (see `SinkhornCache`), which reuses the window of the last step when no row entered
-        a new bucket, and the index tensors of the step's other groups of the same shape (memo)."""
-        size, off = self.bucket_size, self.offset
-        b, h, _, d = q.shape
-        if host is None:
-            ix = self._step_index(position, real, b, h, d)
-        else:
-            key = (size, off, self.skip_first, self.n_top, b, h, d)
-            ix = host[3].get(key) or host[3].setdefault(key, self._step_index(position, real, b, h, d))
-        u, counted = ix["u"], ix["counted"]
-        new_k = k[:, :, 0].float() * ix["weight"][:, None, None]  # [b, h, d]
-        if self.running_key_summary:
-            state["k_run_sum"].add_(new_k)
-            state["k_run_count"].add_(ix["weight"])
-            run = state["k_run_sum"] / state["k_run_count"].clamp_min(1)[:, None, None]
-            new_k = run * ix["weight"][:, None, None]
-        state["k_sum"].scatter_add_(2, ix["bucket"], new_k[:, :, None])
-        state["k_count"].scatter_add_(1, u[:, None], ix["weight"][:, None])
-        put_along(state["queries"], 2, position[:, None], q.to(state["queries"].dtype))
-        if host is None:
-            self.route_step(q, position, counted, state, u=u)
-            keys_all, values_all, bias = self._window(keys, values, heads, position, u, state, q.dtype)
-        else:
-            positions, reals, epoch, _ = host
-            buckets = [(p + off) // size for p in positions]
-            lead = any(
-                r and (p + off) % size == 0 and not (self.skip_first and p + off < size)
-                for p, r in zip(positions, reals)
-            )
-            self.route_step(q, position, counted, state, u=u, choose=lead)
-            window = state.get("window")
-            if lead or window is None or window[0] != (epoch, buckets):
-                window = ((epoch, buckets), *self._window(keys, values, heads, position, u, state, q.dtype))
-                state["window"] = window
-            else:  # the same buckets: the new token joins the own bucket (its last `size` slots)
-                _, keys_all, values_all, bias = window
-                slot = ix["own"]  # [b, h, 1, d]
-                keys_all.scatter_(2, slot, k.to(keys_all.dtype))
-                values_all.scatter_(2, slot, v.to(values_all.dtype))
-                bias.scatter_(3, slot[..., :1], 0.0)
-            _, keys_all, values_all, bias = window
-            # up to the last own-bucket slot any row has reached (the keys after it are masked in every row)
-            end = keys_all.shape[2] - size + 1 + max((p + off) % size for p in positions)
-            keys_all, values_all, bias = keys_all[:, :, :end], values_all[:, :, :end], bias[..., :end]
-        return attend(q, keys_all, values_all, bias=bias, implementation=self.implementation)
-
-    def _step_index(self, position, real, b, h, d):
-        """The index tensors of a step: query bucket u [b], the tokens that enter the routing summaries (bool and
-        float [b]), and for [b, h, ., d] buffers the slots of u and of the token's own-bucket window slot."""
-        size, off = self.bucket_size, self.offset
-        u = torch.div(position + off, size, rounding_mode="floor")
-        counted = real & (u > 0) if self.skip_first else real
-        own = self.n_top * size + (position + off) % size  # the window: the chosen buckets, then the own bucket
-        return dict(
-            u=u,
-            counted=counted,
-            weight=counted.float(),
-            bucket=u[:, None, None, None].expand(b, h, 1, d),
-            own=own[:, None, None, None].expand(b, h, 1, d),
+    def _bank(self, sq, k, v, mask, k_mask, counted, null) -> _Bank:
+        """Cross-attention: the context buckets are the candidates, any non-empty one may be chosen."""
+        b, h, _, d = k.shape
+        kv_size = self.kv_bucket_size
+        nk = k.shape[2] // kv_size
+        k_sums, k_counts = bucket_sums(k, k_mask, kv_size)
+        sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+        scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, n, nk]
+        return _Bank(
+            scores=scores,
+            valid=(k_counts > 0)[:, None, None, :],
+            n_sel=min(self.n_top, nk),
+            keys=k.reshape(b, h, nk, kv_size, d),
+            values=v.reshape(b, h, nk, kv_size, d),
+            mask=k_mask.view(b, nk, kv_size),
         )
 
-    def _window(self, keys, values, heads, position, u, state, dtype):
-        """Keys, values [b, h, K, d] and additive mask [b, h, 1, K] of the chosen buckets of the current query bucket
-        `u` [b] and the own bucket up to the token at `position` [b] (K = (n_sel + 1) * bucket_size)."""
-        size, off, n_null = self.bucket_size, self.offset, self.n_top
-        b, h = state["route"].shape[:2]
-        choice = state["route"]  # [b, h, n_sel]: bank indices (null buckets first)
-        which = torch.cat([choice, (n_null + u)[:, None, None].expand(b, h, 1)], dim=-1)  # chosen, then own
-        keys_all, values_all = _pick_buckets((keys, values), heads, 1 - off, size, which)  # [b, h, (n_sel + 1) B, d]
-        if self.weight_routed_values:
-            weight = F.pad(state["route_weight"], (0, 1), value=1.0)  # the own bucket unweighted
-            weight = weight[..., None].expand(b, h, -1, size).reshape(b, h, -1, 1)
-            values_all = values_all * weight.to(values_all.dtype)
-            if self.weight_routed_keys:
-                keys_all = keys_all * weight.to(keys_all.dtype)
-        slot = torch.arange(size, device=choice.device)
-        pos = (which - n_null)[..., None] * size - off + slot  # [b, h, n_sel + 1, B] token positions
-        null_slots = slot >= 0 if self.null_copies else slot == 0
-        routed_m = torch.where((choice < n_null)[..., None], null_slots, pos[:, :, :-1] >= 0)
-        routed_m = routed_m & state["route_valid"][..., None]
-        own_m = (pos[:, :, -1:] >= 0) & (pos[:, :, -1:] <= position[:, None, None, None])
-        m = torch.cat([routed_m, own_m], dim=2).reshape(b, h, 1, -1)  # [b, h, 1, K]: the token always sees itself
-        return keys_all, values_all, additive(m, dtype)
-
-    def write_null_buckets(self, keys, values) -> None:
-        """Put this group's null buckets into the cache slots before its first bucket (keys, values: the group's
-        heads of the cache, [b, h, S, d]), so that a decoding step picks chosen buckets from one bank."""
-        size, start = self.bucket_size, 1 - self.offset
-        for t, table in ((keys, self.null_keys), (values, self.null_values)):
-            b, h, _, d = t.shape
-            bank = t[:, :, start : start + self.n_top * size].view(b, h, self.n_top, size, d)
-            bank.copy_(table.detach()[None, :, :, None, :].to(t.dtype).expand_as(bank))
-
-    def cross_step(self, q, position, real, state, ctx):
-        """Causal decoder cross-attention of one new token per row. ctx: the cached context (bucketed keys, values,
-        mask and summaries)."""
-        b, h, _, d = q.shape
-        put_along(state["queries"], 2, position[:, None], q.to(state["queries"].dtype))
-        self.route_step(q, position, real, state, ctx["sk"], ctx["k_valid"])
-        choice, choice_valid = state["route"], state["route_valid"]  # [b, h, n_sel]
-        bi, hi = _batch_head_index(b, h, 3, q.device)
-        routed_k = ctx["bk"][bi, hi, choice]  # [b, h, n_sel, Bc, d]
-        routed_v = ctx["bv"][bi, hi, choice]
-        if self.weight_routed_values:
-            weight = state["route_weight"][..., None, None]
-            routed_v = routed_v * weight.to(routed_v.dtype)
-            if self.weight_routed_keys:
-                routed_k = routed_k * weight.to(routed_k.dtype)
-        m = (ctx["bm"][bi, choice] & choice_valid[..., None]).reshape(b, h, 1, -1)
-        return attend(
-            q, routed_k.reshape(b, h, -1, d), routed_v.reshape(b, h, -1, d), m, implementation=self.implementation
+    def _attend(self, bq, routed, bank, mask, placed, attn_weights, key_length: int):
+        """Cross-attention over the chosen context buckets -> [b, h, n, B, d]. A row may see no context at all (a
+        fully padded context): a bool mask, which gives such rows zeros."""
+        routed_k, routed_v, routed_m = routed
+        want = attn_weights is not None
+        out = attend_buckets(
+            bq, routed_k, routed_v, routed_m[:, :, :, None, :], self._p(), self.implementation, return_weights=want
         )
+        if want:
+            out, probs = out
+            attn_weights["map"] = token_weights(probs, *placed, key_length)
+        return out
 
-    def rebuild(self, state, length, keys=None, sk=None, k_valid=None):
-        """Recompute the routing state of every row from its first `length` [b] cached queries (and keys, in
-        self-attention), as a prefill of those tokens would leave it: used by `SinkhornCache.crop`."""
-        size, off = self.bucket_size, self.offset
-        queries = state["queries"].float()  # [b, h, C, d]
-        b, h, cap, d = queries.shape
-        pos = torch.arange(cap, device=queries.device)
-        bucket = torch.div(pos + off, size, rounding_mode="floor")  # [C]
-        counted = pos[None] < length[:, None]  # [b, C]
-        if self.skip_first:
-            counted = counted & (bucket > 0)
-        c = counted.float()
-        u = torch.div((length - 1).clamp_min(0) + off, size, rounding_mode="floor")  # the current bucket [b]
-        state["q_sum"].copy_((queries * c[:, None, :, None]).sum(2))
-        state["q_count"].copy_(c.sum(1))
-        if not self.cross:
-            keys = keys.float()
-            nb = state["k_count"].shape[1]
-            per_bucket = F.one_hot(bucket, nb).float()  # [C, nb]
-            if self.running_key_summary:
-                weighted = keys * c[:, None, :, None]
-                run = weighted.cumsum(2) / c.cumsum(1).clamp_min(1)[:, None, :, None]
-                state["k_run_sum"].copy_(weighted.sum(2))
-                state["k_run_count"].copy_(c.sum(1))
-                keys = run
-            state["k_sum"].copy_(routing_einsum("bhcd,bc,cn->bhnd", keys, c, per_bucket))
-            state["k_count"].copy_(routing_matmul(c, per_bucket))
-            sk, k_valid = self._key_summaries(state, u)
-        # the choice of the current bucket, made at its leading token
-        lead = u * size - off  # [b] (-1: the shifted heads' virtual first token)
-        upto = (pos[None] <= lead[:, None]).float() * c
-        sq = (queries * upto[:, None, :, None]).sum(2) / upto.sum(1).clamp_min(1)[:, None, None]
-        idx, picked_valid, weight = self._choose(sq, sk, k_valid)
-        if self.skip_first:  # the short first bucket attends no chosen bucket
-            picked_valid = picked_valid & (u > 0)[:, None, None]
-        self._keep_route(state, torch.ones(b, dtype=torch.bool, device=queries.device), idx, picked_valid, weight)
+    def _bank_columns(self, nb: int, slots: int, n_sel: int, lq: int, device) -> torch.Tensor:
+        """Bank bucket j's slot s is context token j * slots + s -> [nb, slots]."""
+        return torch.arange(nb, device=device)[:, None] * slots + torch.arange(slots, device=device)
+
+    def _step_scores(self, sq, sk, valid_real):
+        """`choose`'s candidates: the context buckets -> scores [b, h, 1, nk], which may be chosen, how many."""
+        column = sq[..., None] * sq.shape[-1] ** -0.5  # [b, h, d, 1]
+        scores = routing_matmul(sk, column).transpose(-1, -2)  # [b, h, 1, n]
+        return scores, valid_real[:, None, None, :], min(self.n_top, sk.shape[2])
+
+    def cross_step(self, q, step, state, context):
+        """Causal decoder cross-attention of one new token per row (q [b, h, 1, d]). context: the cached context
+        (bucketed keys, values, mask and summaries, see `SinkhornLayerState.fill_cross`)."""
+        state.add_query(q, step.position, step.real)
+        self._route(state, step.position, step.real, None, context)
+        keys, values, mask = state.chosen_context(context)
+        return attend(q, keys, values, mask, implementation=self.implementation)
 
 
 def trim_weights(attn_weights: dict, off: int, length: int, n_null: int | None, rows=slice(None)) -> None:

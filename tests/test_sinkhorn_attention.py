@@ -6,7 +6,7 @@ import math
 import torch
 
 from longrange.configuration_sinkhorn import SinkhornConfig
-from longrange.modeling_sinkhorn import SinkhornSelfAttention
+from longrange.sinkhorn_attention import SinkhornSelfAttention
 from longrange.sinkhorn_heads import CausalSinkhornHeads, SinkhornHeads
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM
-from longrange.modeling_sinkhorn import SinkhornSelfAttention
+from longrange.sinkhorn_attention import SinkhornSelfAttention
 
 VOCAB, HIDDEN, HEADS, BUCKET = 37, 32, 4, 4
 

@@ -269,7 +269,7 @@ def test_unsupported_attn_implementation_names_the_allowed_values(value):
 
 
 def test_paired_causal_heads_equal_two_separate_passes_with_fewer_launches():
-    from longrange.modeling_sinkhorn import SinkhornSelfAttention
+    from longrange.sinkhorn_attention import SinkhornSelfAttention
 
     config = SinkhornConfig(**TINY, causal=True, max_position_embeddings=64, attn_implementation="eager")
     torch.manual_seed(5)

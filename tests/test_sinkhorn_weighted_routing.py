@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM
-from longrange.sinkhorn_heads import CausalSinkhornHeads, SinkhornHeads
+from longrange.sinkhorn_heads import CausalContextHeads, CausalSinkhornHeads, SinkhornHeads
 
 TINY = dict(vocab_size=40, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=4)
 
@@ -259,9 +259,8 @@ def test_causal_cross_attention_weighted_routing_matches_naive_token_loop(n_top)
     torch.manual_seed(8)
     b, h, d, size, context_size, temperature = 2, 2, 6, 4, 3, 0.75
     length, context_length = 4 * size, 5 * context_size
-    heads = CausalSinkhornHeads(
-        h, d, size, n_top, 0, temperature, 0.0, "sdpa", cross=True, kv_bucket_size=context_size,
-        weight_routed_values=True,
+    heads = CausalContextHeads(
+        h, d, size, context_size, n_top, temperature, 0.0, "sdpa", weight_routed_values=True
     ).double().eval()  # fmt: skip
     q = torch.randn(b, h, length, d, dtype=torch.float64)
     ck, cv = (torch.randn(b, h, context_length, d, dtype=torch.float64) for _ in range(2))

@@ -1,0 +1,185 @@
+"""Routing and bucket helpers of the Sinkhorn model, below both the head groups (`sinkhorn_heads.py`) and the
+generation cache (`cache_sinkhorn.py`): bucket summaries and the routing choice (float32 whatever autocast says),
+picking whole buckets out of a cache bank, attention inside buckets and the dense maps of output_attentions.
+
+Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layers import attend
+
+NEG = -1e30  # routing score of a candidate that may not be chosen (float32 routing math)
+
+
+def routing_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` in float32 whatever autocast says, for the routing summaries and scores: under bf16 autocast a
+    product would be rounded to bf16, enough to flip routing choices between a bf16 and a float32 step (the
+    Gumbel-Sinkhorn balancing most). Outside autocast exactly `a @ b` on float32 tensors."""
+    with torch.autocast(a.device.type, enabled=False):
+        return a.float() @ b.float()
+
+
+def routing_einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
+    """`torch.einsum` in float32 whatever autocast says (see routing_matmul)."""
+    with torch.autocast(operands[0].device.type, enabled=False):
+        return torch.einsum(equation, *(t.float() for t in operands))
+
+
+def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked per-bucket sums in float32. x: [b, h, L, d], mask: [b, L] -> sums [b, h, n, d], counts [b, n]."""
+    b, h, length, d = x.shape
+    n = length // bucket
+    m = mask.view(b, n, bucket).to(torch.float32)
+    sums = routing_einsum("bhnsd,bns->bhnd", x.view(b, h, n, bucket, d), m)  # a batched matmul, no temporary
+    return sums, m.sum(2)
+
+
+def select_buckets(
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    n_select: int,
+    temperature: float,
+    sinkhorn_iter: int | None = None,
+    gumbel: bool = False,
+    weighted: bool = False,
+    sequential: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Choose `n_select` candidates per row.
+
+    scores: float32 [b, h, q, c]; valid: bool broadcastable to it (candidates that may be chosen).
+    sinkhorn_iter: None = independent top-k per row (non-permutative); an int = Gumbel-Sinkhorn balancing of the
+    score matrix first (noise only when `gumbel`, i.e. in training).
+    Returns indices [b, h, q, n_select], picked_valid (bool, same shape) and the straight-through scale (same
+    shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass (None when
+    gradients are off). `weighted`: the scale is the routing weight itself (forward and backward; never None).
+    `sequential` (top-k only): the i-th pick's weight is the softmax over the candidates not picked before it.
+    """
+    valid = valid.expand(scores.shape)
+    logits = scores.masked_fill(~valid, NEG)
+    if sinkhorn_iter is None:
+        # ties (e.g. null buckets scored alike) go to the lowest index, the same in the full and the cached pass
+        idx = logits.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
+        log_weights = (logits / temperature).log_softmax(dim=-1)
+    else:
+        if gumbel:
+            uniform = torch.rand_like(logits).clamp(1e-6, 1 - 1e-6)
+            logits = logits - torch.log(-torch.log(uniform))
+        log_weights = (logits / temperature).masked_fill(~valid, NEG)
+        for _ in range(sinkhorn_iter):
+            log_weights = (log_weights - log_weights.logsumexp(-1, keepdim=True)).masked_fill(~valid, NEG)
+            log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, NEG)
+        # (ties to the lowest index, as above: balancing can tie candidates exactly, e.g. two of equal column mass)
+        idx = log_weights.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
+    picked_valid = valid.gather(-1, idx)
+    if sequential:
+        picked = _sequential_log_weights(logits / temperature, idx)
+    else:
+        picked = log_weights.gather(-1, idx)
+    if weighted:
+        return idx, picked_valid, picked.masked_fill(~picked_valid, 0.0).exp()
+    if not torch.is_grad_enabled():
+        return idx, picked_valid, None  # the scale is exactly 1: only its gradient matters
+    picked = picked.masked_fill(~picked_valid, 0.0)
+    scale = torch.exp(picked - picked.detach())
+    return idx, picked_valid, scale
+
+
+def _sequential_log_weights(scaled: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Log-weight of each pick as a softmax over the candidates left after the earlier picks (sinkhorn-transformer's
+    iterative top-k). scaled: [..., c] scores / temperature; idx: [..., k] picks in order -> [..., k]."""
+    left = scaled
+    parts = []
+    for i in range(idx.shape[-1]):
+        pick = idx[..., i : i + 1]
+        parts.append(scaled.gather(-1, pick) - left.logsumexp(-1, keepdim=True))
+        left = left.scatter(-1, pick, float("-inf"))
+    return torch.cat(parts, dim=-1)
+
+
+def batch_head_index(b: int, h: int, ndim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors [b, 1, ...] and [1, h, ...] (ndim dims) for advanced indexing of [b, h, ...] tensors."""
+    shape_b = [b] + [1] * (ndim - 1)
+    shape_h = [1, h] + [1] * (ndim - 2)
+    return torch.arange(b, device=device).view(shape_b), torch.arange(h, device=device).view(shape_h)
+
+
+def pick_buckets(tensors, heads: slice, start: int, size: int, which: torch.Tensor) -> list[torch.Tensor]:
+    """Whole buckets of cache slots: bucket j of a head is slots start + j * size ... start + (j + 1) * size - 1.
+
+    tensors: a layer's keys and values, each [b, H, S, d] (S a multiple of size); heads: the group's heads;
+    which: [b, h or 1, k] bucket indices (clamped into range; callers mask what falls outside) -> each [b, h,
+    k * size, d]. Every (row, head, bucket) is one row of a strided view of the cache, so the pick is one
+    `index_select` of contiguous blocks (several times faster on the CPU than advanced indexing or `gather`)."""
+    b, n_heads, slots, d = tensors[0].shape
+    per_head = slots // size
+    skip, shift = divmod(start, size)  # whole buckets, then slots
+    h = heads.stop - heads.start
+    head = torch.arange(b, device=which.device)[:, None] * n_heads + heads.start + torch.arange(h, device=which.device)
+    flat = (head[..., None] * per_head + (which + skip).clamp(0, per_head - 2)).reshape(-1)  # [b * h * k]
+    # (each tensor is a cache tensor of its own: contiguous, at the start of its storage)
+    shape, strides = (b * n_heads * per_head - 1, size, d), (size * d, d, 1)
+    return [t.as_strided(shape, strides, shift * d).index_select(0, flat).view(b, h, -1, d) for t in tensors]
+
+
+def prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
+    """t shifted along the bucket dim: entry u holds entry u - shift (u + |shift| when negative), `fill` outside."""
+    n = t.shape[dim]
+    pad_shape = list(t.shape)
+    pad_shape[dim] = abs(shift)
+    pad = torch.full(pad_shape, fill, dtype=t.dtype, device=t.device)
+    if shift > 0:
+        return torch.cat([pad, t.narrow(dim, 0, n - shift)], dim=dim)
+    return torch.cat([t.narrow(dim, -shift, n + shift), pad], dim=dim)
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask (True = may attend) -> additive float mask (0 or the dtype's most negative value)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def attend_buckets(q, k, v, mask, dropout: float, implementation: str, bias=None, return_weights=False):
+    """Attention inside buckets. q: [b, h, n, Lq, d]; k, v: [b, h, n, K, d]; mask (bool) or bias (additive
+    float): broadcastable to [b, h, n, Lq or 1, K]. Heads and buckets are merged into one dimension because the
+    fused sdpa kernels take 4-D inputs (5-D inputs fall back to a path about 3x slower on CPU).
+
+    `bias` is for callers whose every real query row sees at least one key: it skips `attend`'s bool-to-float
+    conversion and its zeroing of fully masked rows (only padded query rows can be fully masked there, and
+    their outputs are never used). `return_weights` (output_attentions): the explicit softmax, whatever the
+    implementation, and also its probabilities (after dropout) [b, h, n, Lq, K]."""
+    b, h, n, lq, d = q.shape
+    keys = k.shape[3]
+    given = mask if bias is None else bias
+    rows = given.shape[3]
+    flat = given.expand(b, h, n, rows, keys).reshape(b, h * n, rows, keys)
+    out = attend(
+        q.reshape(b, h * n, lq, d),
+        k.reshape(b, h * n, keys, d),
+        v.reshape(b, h * n, keys, d),
+        flat if bias is None else None,
+        bias=flat if bias is not None else None,
+        dropout=dropout,
+        implementation=implementation,
+        return_weights=return_weights,
+    )
+    if return_weights:
+        out, probs = out
+        return out.view(b, h, n, lq, d), probs.view(b, h, n, lq, keys)
+    return out.view(b, h, n, lq, d)
+
+
+def token_weights(probs, key_pos, factor, width: int) -> torch.Tensor:
+    """Bucketed attention probabilities placed at the keys' token positions (output_attentions).
+
+    probs: [b, h, n, Lq, K]; key_pos: long, broadcastable to [b, h, n, K], the column of each key in the dense
+    map (-1: no token, its probability is zero); factor: the weight that multiplies each key's value (routed
+    buckets' routing weights), broadcastable to [b, h, n, K], or None. Returns [b, h, n * Lq, width] with
+    output = map @ values; a token that is a key twice in a bucket (own bucket also routed) adds up."""
+    b, h, n, lq, keys = probs.shape
+    if factor is not None:
+        probs = probs * factor.to(probs.dtype)[..., None, :]
+    index = key_pos.masked_fill(key_pos < 0, width)[..., None, :].expand(b, h, n, lq, keys)
+    dense = probs.new_zeros(b, h, n, lq, width + 1).scatter_add_(-1, index, probs)
+    return dense[..., :width].reshape(b, h, n * lq, width)
