@@ -33,9 +33,14 @@ from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
+# A saved folder's code (trust_remote_code) is copied from the modules this file imports itself: for a local
+# folder some transformers releases (5.5, the floor) do not follow the imports of those modules, so every module
+# a saved model needs is imported here directly (tests/test_checkpoints.py checks the list is complete).
 from .cache_compressive import CompressiveMemoryCache
+from .cache_compressive_static import StaticLayout  # noqa: F401  (see the note above)
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
 from .compression import COMPRESSION_CLASSES
+from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import FeedForward, attend, blockwise_attention, put_along, register_fsdp_methods, sinusoidal_embedding

@@ -37,8 +37,12 @@ from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
+# A saved folder's code (trust_remote_code) is copied from the modules this file imports itself: for a local
+# folder some transformers releases (5.5, the floor) do not follow the imports of those modules, so every module
+# a saved model needs is imported here directly (tests/test_checkpoints.py checks the list is complete).
 from .cache_sinkhorn import SinkhornCache
 from .compat import cache_output, check_assisted_decoding, use_own_cache
+from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
 from .layers import ATTENTION_IMPLEMENTATIONS, real_tokens_first
@@ -48,6 +52,7 @@ from .reversible import ReversibleSequence
 from .sinkhorn_attention import attention_implementation, unsupported_attention
 from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads
 from .sinkhorn_layer import AxialPositionEmbedding, SinkhornLayer, build_layers, tied_norm_sources
+from .sinkhorn_routing import bucket_sums  # noqa: F401  (see the note above)
 
 # ----------------------------------------------------------------------------------------------------------------
 # models

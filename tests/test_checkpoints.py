@@ -359,3 +359,23 @@ def test_weight_tie_trains_under_per_layer_fsdp_units(overrides, tmp_path):
             torch.testing.assert_close(p.grad.full_tensor(), want[name], rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("modeling", ["modeling_compressive", "modeling_sinkhorn"])
+def test_the_modeling_file_imports_every_module_a_saved_model_needs(modeling):
+    """For a local folder, transformers (5.5, the floor) copies only the modules the modeling file imports itself
+    and then fails on the imports of those modules: every module in the import closure is imported directly."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "longrange"
+
+    def relative_imports(name):
+        return set(re.findall(r"^\s*from\s+\.(\w+)\s+import", (package / f"{name}.py").read_text(), re.MULTILINE))
+
+    direct, closure, todo = relative_imports(modeling), set(), [modeling]
+    while todo:
+        for name in relative_imports(todo.pop()) - closure:
+            closure.add(name)
+            todo.append(name)
+    assert closure - {modeling} <= direct, sorted(closure - direct)
