@@ -24,22 +24,22 @@ from .sinkhorn_attention import SinkhornCrossAttention, SinkhornSelfAttention
 class AttentionBlock(nn.Module):
     """Pre-norm self-attention branch f(x) (the residual is added by the caller or the reversible stack)."""
 
+    attention_class = SinkhornSelfAttention
+
     def __init__(self, config: SinkhornConfig):
         super().__init__()
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attention = SinkhornSelfAttention(config)
+        self.attention = self.attention_class(config)
         self.dropout = nn.Dropout(config.attn_layer_dropout)
 
     def forward(self, hidden_states, attention_mask=None, layer_cache=None, attn_weights=None, **unused):
         return self.dropout(self.attention(self.norm(hidden_states), attention_mask, layer_cache, attn_weights))
 
 
-class CrossAttentionBlock(nn.Module):
-    def __init__(self, config: SinkhornConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attention = SinkhornCrossAttention(config)
-        self.dropout = nn.Dropout(config.attn_layer_dropout)
+class CrossAttentionBlock(AttentionBlock):
+    """Pre-norm cross-attention branch: the same block, attending the context."""
+
+    attention_class = SinkhornCrossAttention
 
     def forward(
         self,
