@@ -1,0 +1,651 @@
+#!/usr/bin/env python
+"""Long-range recall: can a model use what lies far back? Synthetic tasks, accuracy against the distance to the fact.
+
+    python benchmarks/benchmark_recall.py --family compressive --seeds 0 1          # the Compressive family, passkey
+    python benchmarks/benchmark_recall.py --family sinkhorn --task mqar --length 512
+    python benchmarks/benchmark_recall.py --family compressive --models ablation  # compression functions and losses
+    python benchmarks/benchmark_recall.py --family masked                          # SinkhornForMaskedLM, SortCut
+    python benchmarks/benchmark_recall.py --quick --json /tmp/r.json --plot /tmp/r.png   # smoke run (CI)
+    python benchmarks/benchmark_recall.py --plot-only                              # redraw and reprint the record
+    python benchmarks/benchmark_recall.py --hidden 256 --layers 4 --length 4096 --device cuda   # at scale
+
+Tasks (generated on the fly from a seed; vocabulary of 64 ids: digits 0-9, KEY, QUERY, MASK, 24 MQAR keys, filler):
+  passkey  (Mohtashami & Jaggi 2023) random filler tokens; somewhere `KEY d1 d2 d3 d4`; at the end
+           `QUERY d1 d2 d3 d4`. Only the 4 answer digits are scored (chance 0.1 per digit).
+  mqar     multi-query associative recall (Arora et al. 2023, "Zoology"): `--pairs` key-value pairs (key: one of 24
+           key ids, distinct in a sequence; value: a digit) at random places in filler; at the end `QUERY` and
+           the keys again in random order, each followed by its value, which is scored (chance 0.1).
+  A fact's position is its digit's (passkey: each key digit; mqar: the value); the prediction is made at the token
+  before the answer. Causal models are trained on the shifted next-token loss of the answer tokens only; masked
+  models (`--family masked`) see MASK in place of each answer and predict it in place.
+
+Accuracy is reported per answer token against where its fact lies, in regions the family's geometry defines:
+  compressive family (segment S, mem M, compressed C at rate r): own segment (the fact is in the segment of the
+  predicting token), memory (within the M tokens before it), compressed (within the C r before those), beyond;
+  sinkhorn and masked families (bucket B): own bucket, previous bucket (what local attention also sees), routed
+  (only a routed bucket or full attention reaches it). Every model of a family is scored in the same regions, and
+  in `--distance-bins` equal bins of distance for the plot.
+
+Models (same width, depth, heads, data, optimiser and steps within a family; `--models` picks, `ablation` / `all`
+expand):
+  compressive family: compressive (mem M + compressed C, conv1d, attention reconstruction), txl (Transformer-XL:
+    c_mem_len 0, the same M memories), txl_reach (Transformer-XL with M + C r memories: the compressive model's
+    reach), alone (each segment alone: the model sees only the query's segment), llama (transformers' Llama, full
+    attention: the baseline users would pick and the upper bound), reference (compressive-transformer-pytorch
+    0.4.0, the same sizes, fed segment by segment with its memories); the ablation: conv1d_autoencoding,
+    conv1d_none, dilated_conv_attention, dilated_conv_autoencoding, max_pool, mean_pool, most_used.
+  sinkhorn family (causal): top1, top2 (`n_top_buckets`), top4, local (every head local attention: what routing
+    adds), llama, reference (sinkhorn-transformer 0.11.4, same options).
+  masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
+    (transformers' BERT, full attention).
+
+Also measured: `generate()` with the model's own cache (passkey, causal models of ours and Llama): the prompt ends at
+QUERY, 4 greedy tokens are scored (`gen_*` columns; `gen_agree`: the first generated digit equals the forward's
+argmax, which must be 1.0 when the bounded cache carries what the forward saw); the Sinkhorn sort net's choice
+(`pick_rate`: over rows whose fact is routed-only, layers and Sinkhorn heads, how often the query's bucket picks
+the fact's bucket; `pick_chance`: n_top_buckets over the earlier buckets), at every `--eval-every` steps too.
+
+Writes `--json` (merged with what is there: each run keyed by family, task, length, model and seed, so runs made
+in several processes or sessions accumulate; the file is locked while written) and `--plot` (accuracy against
+distance, one line per model, mean of the seeds with their spread; one panel per family, task and length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+try:
+    import longrange  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO))
+
+KEY, QUERY, MASK = 10, 11, 12
+MQAR_KEYS = range(13, 37)
+FILLER = range(37, 64)
+PASSKEY_FILLER = range(13, 64)
+VOCAB = 64
+DIGITS = 4
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# tasks
+
+
+@dataclass
+class Batch:
+    """ids [b, L] the true sequence; answers [b, n] positions of the scored tokens; facts [b, n] where each
+    answer's fact lies."""
+
+    ids: torch.Tensor
+    answers: torch.Tensor
+    facts: torch.Tensor
+
+
+def passkey(gen: torch.Generator, batch: int, length: int, pairs: int = 0) -> Batch:
+    ids = torch.randint(PASSKEY_FILLER.start, PASSKEY_FILLER.stop, (batch, length), generator=gen)
+    digits = torch.randint(0, 10, (batch, DIGITS), generator=gen)
+    query = length - DIGITS - 1
+    start = torch.randint(0, query - DIGITS - 1, (batch,), generator=gen)  # the KEY marker
+    rows = torch.arange(batch)[:, None]
+    offsets = torch.arange(DIGITS)
+    facts = start[:, None] + 1 + offsets
+    ids[rows, start[:, None]] = KEY
+    ids[rows, facts] = digits
+    ids[:, query] = QUERY
+    answers = (query + 1 + offsets).expand(batch, DIGITS)
+    ids[:, query + 1 :] = digits
+    return Batch(ids, answers.clone(), facts)
+
+
+def mqar(gen: torch.Generator, batch: int, length: int, pairs: int = 4) -> Batch:
+    if pairs > len(MQAR_KEYS):
+        raise ValueError(f"--pairs must be at most {len(MQAR_KEYS)}, got {pairs}")
+    ids = torch.randint(FILLER.start, FILLER.stop, (batch, length), generator=gen)
+    tail = 1 + 2 * pairs
+    slots = (length - tail) // 2  # pairs sit on even offsets of the prefix, so they never overlap
+    if slots < pairs:
+        raise ValueError(f"--length {length} is too short for {pairs} MQAR pairs")
+    keys = torch.stack([torch.randperm(len(MQAR_KEYS), generator=gen)[:pairs] for _ in range(batch)]) + MQAR_KEYS.start
+    values = torch.randint(0, 10, (batch, pairs), generator=gen)
+    places = torch.stack([torch.randperm(slots, generator=gen)[:pairs] for _ in range(batch)]) * 2
+    rows = torch.arange(batch)[:, None]
+    ids[rows, places] = keys
+    ids[rows, places + 1] = values
+    order = torch.stack([torch.randperm(pairs, generator=gen) for _ in range(batch)])
+    query = length - tail
+    ids[:, query] = QUERY
+    answers = (query + 2 + 2 * torch.arange(pairs)).expand(batch, pairs).clone()
+    ids[rows, answers - 1] = keys.gather(1, order)
+    ids[rows, answers] = values.gather(1, order)
+    return Batch(ids, answers, (places + 1).gather(1, order))
+
+
+TASKS = {"passkey": passkey, "mqar": mqar}
+
+
+def regions_of(family: str, args) -> tuple[list[str], callable]:
+    """Region names and a function (predicting position t, fact position f) -> region index, as tensors."""
+    if family == "compressive":
+        edges = (args.mem, args.mem + args.c_mem * args.rate)
+
+        def region(t, f):
+            start = t - t % args.segment
+            back = start - f  # > 0: the fact is before the segment, this many tokens before its first token
+            return (back > 0).long() + (back > edges[0]).long() + (back > edges[1]).long()
+
+        return ["own segment", "memory", "compressed", "beyond"], region
+    bucket = args.bucket
+
+    def region(t, f):
+        back = t - t % bucket - f
+        return (back > 0).long() + (back > bucket).long()
+
+    return ["own bucket", "previous bucket", "routed"], region
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# models: each kind knows how to build itself, its loss, its logits at the answers, and (optionally) generation
+
+
+@dataclass
+class Spec:
+    name: str
+    kind: str  # compressive / llama / ref_compressive / sinkhorn / ref_sinkhorn / masked / bert
+    options: dict = field(default_factory=dict)
+    window: int | None = None  # the model sees only the last `window` tokens (each segment alone)
+
+
+def family_specs(family: str, args) -> dict[str, Spec]:
+    mem, cmem, rate = args.mem, args.c_mem, args.rate
+    if family == "compressive":
+        base = dict(mem_len=mem, c_mem_len=cmem, compression_rate=rate)
+        specs = [
+            Spec("compressive", "compressive", base),
+            Spec("txl", "compressive", dict(mem_len=mem, c_mem_len=0, compression_function="mean_pool",
+                                             reconstruction_loss="none")),
+            Spec("txl_reach", "compressive", dict(mem_len=mem + cmem * rate, c_mem_len=0, compression_function="mean_pool",
+                                             reconstruction_loss="none")),
+            Spec("alone", "compressive", base, window=args.segment),
+            Spec("llama", "llama"),
+            Spec("reference", "ref_compressive"),
+        ]
+        ablation = {
+            "conv1d_autoencoding": ("conv1d", "autoencoding"),
+            "conv1d_none": ("conv1d", "none"),
+            "dilated_conv_attention": ("dilated_conv", "attention"),
+            "dilated_conv_autoencoding": ("dilated_conv", "autoencoding"),
+            "max_pool": ("max_pool", "none"),
+            "mean_pool": ("mean_pool", "none"),
+            "most_used": ("most_used", "none"),
+        }
+        for name, (fn, loss) in ablation.items():
+            specs.append(Spec(name, "compressive", dict(base, compression_function=fn, reconstruction_loss=loss)))
+    elif family == "sinkhorn":
+        specs = [Spec(f"top{n}", "sinkhorn", dict(n_top_buckets=n)) for n in (1, 2, 4)]
+        specs += [
+            Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
+            Spec("llama", "llama"),
+            Spec("reference", "ref_sinkhorn", dict(n_top_buckets=2)),
+        ]
+    else:
+        specs = [
+            Spec("masked", "masked", dict(n_top_buckets=2)),
+            Spec("sortcut", "masked", dict(n_top_buckets=2, n_sortcut=2)),
+            Spec("bert", "bert"),
+        ]
+    return {spec.name: spec for spec in specs}
+
+
+DEFAULT_MODELS = {
+    "compressive": ["compressive", "txl", "txl_reach", "alone", "llama", "reference"],
+    "sinkhorn": ["top1", "top2", "local", "llama", "reference"],
+    "masked": ["masked", "sortcut", "bert"],
+}
+ABLATION = ["compressive", "conv1d_autoencoding", "conv1d_none", "dilated_conv_attention",
+            "dilated_conv_autoencoding", "max_pool", "mean_pool", "most_used"]  # fmt: skip
+
+
+def build(spec: Spec, args) -> torch.nn.Module:
+    width = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                 intermediate_size=4 * args.hidden)  # fmt: skip
+    if spec.kind == "compressive":
+        from longrange import CompressiveConfig, CompressiveForCausalLM
+
+        config = CompressiveConfig(vocab_size=VOCAB, segment_length=args.segment, **width, **spec.options)
+        return CompressiveForCausalLM(config)
+    if spec.kind in ("sinkhorn", "masked"):
+        from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM
+
+        causal = spec.kind == "sinkhorn"
+        config = SinkhornConfig(vocab_size=VOCAB, bucket_size=args.bucket, max_position_embeddings=args.length,
+                                causal=causal, **width, **spec.options)  # fmt: skip
+        return (SinkhornForCausalLM if causal else SinkhornForMaskedLM)(config)
+    if spec.kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=args.length, **width)
+        return LlamaForCausalLM(config)
+    if spec.kind == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(vocab_size=VOCAB, max_position_embeddings=args.length, **width)
+        return BertForMaskedLM(config)
+    if spec.kind == "ref_compressive":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from benchmark_compressive import import_reference
+
+        CompressiveTransformer, _ = import_reference()
+        return CompressiveTransformer(num_tokens=VOCAB, dim=args.hidden, seq_len=args.segment, depth=args.layers,
+                                      heads=args.heads, mem_len=args.mem, cmem_len=args.c_mem, cmem_ratio=args.rate)  # fmt: skip
+    from sinkhorn_transformer import SinkhornTransformerLM
+
+    return SinkhornTransformerLM(num_tokens=VOCAB, dim=args.hidden, max_seq_len=args.length, depth=args.layers,
+                                 heads=args.heads, bucket_size=args.bucket, causal=True, non_permutative=True,
+                                 **spec.options)  # fmt: skip
+
+
+def model_inputs(spec: Spec, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, positions in the input whose logits predict the answers, answer tokens) for this spec."""
+    ids, answers = batch.ids, batch.answers
+    targets = ids.gather(1, answers)
+    if spec.kind in ("masked", "bert"):
+        return ids.scatter(1, answers, MASK), answers, targets
+    start = 0 if spec.window is None else ids.shape[1] - spec.window
+    return ids[:, start:], answers - 1 - start, targets
+
+
+def answer_logits(spec: Spec, model, ids: torch.Tensor, at: torch.Tensor, **kwargs) -> torch.Tensor:
+    """[b, n, vocab]: the logits at positions `at` [b, n]."""
+    if spec.kind == "ref_compressive":
+        logits, _ = reference_compressive_forward(model, ids)
+    elif spec.kind == "ref_sinkhorn":
+        logits = model(ids)
+    else:
+        extra = {} if spec.kind in ("masked", "bert", "llama") else {"use_cache": False}
+        out = model(input_ids=ids, **extra, **kwargs)
+        logits = out.logits
+        if kwargs:
+            return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), out
+    return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
+
+
+def reference_compressive_forward(model, ids: torch.Tensor):
+    """compressive-transformer-pytorch takes one segment per call and hands back its memories; its auxiliary
+    (reconstruction) loss is summed over the segments, as its own training wrapper does."""
+    memories, logits, aux = None, [], 0.0
+    for segment in ids.split(model.seq_len, dim=1):
+        out, memories, aux_loss = model(segment, memories=memories)
+        logits.append(out)
+        aux = aux + aux_loss
+    return torch.cat(logits, 1), aux
+
+
+def training_loss(spec: Spec, model, batch: Batch) -> torch.Tensor:
+    ids, at, targets = model_inputs(spec, batch)
+    if spec.kind == "ref_compressive":
+        logits, aux = reference_compressive_forward(model, ids)
+        picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
+        return F.cross_entropy(picked.flatten(0, 1), targets.flatten()) + aux
+    if spec.kind == "compressive":  # its own loss: the shifted LM loss plus the reconstruction loss
+        labels = torch.full_like(ids, -100).scatter(1, at + 1, targets)
+        return model(input_ids=ids, labels=labels, use_cache=False).loss
+    picked = answer_logits(spec, model, ids, at)
+    return F.cross_entropy(picked.flatten(0, 1), targets.flatten())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
+    """Per region and distance bin: correct and total answer tokens (forward, and generate() where it applies);
+    the Sinkhorn sort net's picks of the fact's bucket."""
+    names, region = regions_of(family, args)
+    model.eval()
+    out = {"regions": {n: [0, 0] for n in names}, "bins": [[0, 0] for _ in range(args.distance_bins)]}
+    with torch.no_grad():
+        for chunk in split(batch, args.eval_batch):
+            ids, at, targets = model_inputs(spec, chunk)
+            probe = spec.kind == "sinkhorn"
+            result = answer_logits(spec, model, ids, at, **({"output_attentions": True} if probe else {}))
+            logits, full = result if probe else (result, None)
+            correct = logits.argmax(-1) == targets
+            predicting = chunk.answers if spec.kind in ("masked", "bert") else chunk.answers - 1
+            tally(out, correct, region(predicting, chunk.facts), chunk.answers - chunk.facts, names, args)
+            if probe:
+                count_picks(out, full.routing, model.config, predicting, chunk.facts, region)
+            if args.task == "passkey" and spec.kind in ("compressive", "sinkhorn", "llama"):
+                generated_accuracy(out, spec, model, chunk, logits, region, names, args)
+    model.train()
+    return finish(out)
+
+
+def split(batch: Batch, size: int):
+    for i in range(0, batch.ids.shape[0], size):
+        yield Batch(batch.ids[i : i + size], batch.answers[i : i + size], batch.facts[i : i + size])
+
+
+def tally(out: dict, correct, regions, distance, names, args, prefix=""):
+    for i, name in enumerate(names):
+        sel = regions == i
+        cell = out.setdefault(prefix + "regions", {n: [0, 0] for n in names})[name]
+        cell[0] += int(correct[sel].sum())
+        cell[1] += int(sel.sum())
+    if not prefix:
+        width = args.length / args.distance_bins
+        index = (distance.float() / width).long().clamp(max=args.distance_bins - 1)
+        for b in range(args.distance_bins):
+            sel = index == b
+            out["bins"][b][0] += int(correct[sel].sum())
+            out["bins"][b][1] += int(sel.sum())
+
+
+def generated_accuracy(out, spec, model, chunk: Batch, forward_logits, region, names, args):
+    """generate() from the prompt that ends at QUERY, with the model's own cache; greedy, 4 tokens."""
+    ids, _, targets = model_inputs(spec, chunk)
+    prompt_len = ids.shape[1] - DIGITS
+    generated = model.generate(
+        input_ids=ids[:, :prompt_len], attention_mask=torch.ones_like(ids[:, :prompt_len]), max_new_tokens=DIGITS,
+        min_new_tokens=DIGITS, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True,
+    )[:, prompt_len:]  # fmt: skip
+    predicting = chunk.answers - 1
+    tally(out, generated == targets, region(predicting, chunk.facts), None, names, args, prefix="gen_")
+    agree = out.setdefault("gen_agree", [0, 0])
+    agree[0] += int((generated[:, 0] == forward_logits[:, 0].argmax(-1)).sum())
+    agree[1] += generated.shape[0]
+
+
+def count_picks(out: dict, routing, config, predicting, facts, region):
+    """How often the query's bucket picks the fact's bucket, over rows whose fact only routing reaches."""
+    routed = region(predicting, facts) == 2  # [b, n]
+    hits = total = 0
+    for layer in routing:
+        for head, offset in enumerate(layer.offsets.tolist()):
+            if head < config.n_local_attn_heads:
+                continue
+            query_bucket = (predicting + offset) // config.bucket_size
+            fact_bucket = (facts + offset) // config.bucket_size
+            picks = layer.key_buckets[:, head]  # [b, query buckets, n_top]
+            chosen = picks.gather(1, query_bucket[..., None].expand(-1, -1, picks.shape[-1]))
+            hit = (chosen == fact_bucket[..., None]).any(-1)
+            hits += int(hit[routed].sum())
+            total += int(routed.sum())
+    earlier = (predicting // config.bucket_size).float()[routed]
+    chance = float((config.n_top_buckets / earlier.clamp(min=1)).clamp(max=1).mean()) if routed.any() else None
+    cell = out.setdefault("picks", [0, 0, []])
+    cell[0] += hits
+    cell[1] += total
+    if chance is not None:
+        cell[2].append(chance)
+
+
+def finish(out: dict) -> dict:
+    def rate(cell):
+        return round(cell[0] / cell[1], 4) if cell[1] else None
+
+    result = {"accuracy": {k: rate(v) for k, v in out["regions"].items()},
+              "count": {k: v[1] for k, v in out["regions"].items()},
+              "bins": [rate(cell) for cell in out["bins"]]}  # fmt: skip
+    if "gen_regions" in out:
+        result["gen_accuracy"] = {k: rate(v) for k, v in out["gen_regions"].items()}
+        result["gen_agree"] = rate(out["gen_agree"])
+    if "picks" in out:
+        result["pick_rate"] = rate(out["picks"])
+        chances = out["picks"][2]
+        result["pick_chance"] = round(sum(chances) / len(chances), 4) if chances else None
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# training
+
+
+def slots_and_reach(spec: Spec, args) -> tuple[int | None, int | None]:
+    """Memory slots per layer beside the segment, and how far back a token can attend."""
+    if spec.kind == "compressive":
+        if spec.window is not None:
+            return 0, args.segment
+        mem, cmem = spec.options["mem_len"], spec.options["c_mem_len"]
+        return mem + cmem, args.segment + mem + cmem * spec.options.get("compression_rate", args.rate)
+    if spec.kind == "ref_compressive":
+        return args.mem + args.c_mem, args.segment + args.mem + args.c_mem * args.rate
+    return None, args.length
+
+
+def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> dict:
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(seed)
+    model = build(spec, args).to(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    warmup = max(1, args.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    task = TASKS[args.task]
+    curve, losses, start = [], [], time.perf_counter()
+    probe = Batch(*(t[: args.eval_batch] for t in (eval_batch.ids, eval_batch.answers, eval_batch.facts)))
+    bar = tqdm(range(args.steps), desc=f"{family}/{args.task}/{spec.name} seed {seed}", disable=args.no_progress)
+    for step in bar:
+        batch = to_device(task(gen, args.batch, args.length, args.pairs), args.device)
+        loss = training_loss(spec, model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            point = {"step": step + 1, "loss": round(sum(losses[-args.eval_every :]) / len(losses[-args.eval_every :]), 4)}
+            point.update({k: v for k, v in evaluate(spec, model, probe, args, family).items() if k in ("accuracy", "pick_rate")})
+            curve.append(point)
+            bar.set_postfix(loss=point["loss"], **{k[:6]: v for k, v in point["accuracy"].items()})
+    train_seconds = time.perf_counter() - start
+    result = evaluate(spec, model, to_device(eval_batch, args.device), args, family)
+    slots, reach = slots_and_reach(spec, args)
+    return dict(result, curve=curve, final_loss=curve[-1]["loss"], train_seconds=round(train_seconds, 1),
+                slots=slots, reach=reach, parameters=sum(p.numel() for p in model.parameters()),
+                options=spec.options, window=spec.window)  # fmt: skip
+
+
+def to_device(batch: Batch, device: str) -> Batch:
+    return Batch(batch.ids.to(device), batch.answers.to(device), batch.facts.to(device))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the record and the picture
+
+
+def run_key(family: str, args, model: str, seed: int) -> str:
+    return f"{family}|{args.task}|{args.length}|{model}|{seed}"
+
+
+@contextlib.contextmanager
+def locked_record(path: Path):
+    """The record, read and rewritten under an exclusive lock, so that runs in several processes accumulate."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+        yield record
+        path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "compressive-transformer-pytorch", "sinkhorn-transformer"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[name] = version(name)
+    return out
+
+
+def summarise(record: dict) -> str:
+    """Markdown: one table per family, task and length; each model's mean accuracy over seeds per region."""
+    groups: dict[tuple, dict[str, list]] = {}
+    for run in record["runs"].values():
+        groups.setdefault((run["family"], run["task"], run["length"]), {}).setdefault(run["model"], []).append(run)
+    lines = []
+    for (family, task, length), models in sorted(groups.items()):
+        regions = list(next(iter(models.values()))[0]["accuracy"])
+        gen = any("gen_accuracy" in r for runs in models.values() for r in runs)
+        head = ["model", "seeds", "slots"] + regions + (["generate: " + regions[-1], "gen agree"] if gen else [])
+        head += ["pick rate (chance)", "loss", "train s"]
+        lines += [f"\n{family} family, {task}, {length} tokens\n", "| " + " | ".join(head) + " |",
+                  "|" + "---|" * len(head)]  # fmt: skip
+        for name, runs in models.items():
+            row = [name, str(len(runs)), str(runs[0]["slots"] if runs[0]["slots"] is not None else "-")]
+            row += [mean_spread([r["accuracy"][k] for r in runs]) for k in regions]
+            if gen:
+                row += [mean_spread([r.get("gen_accuracy", {}).get(regions[-1]) for r in runs]),
+                        mean_spread([r.get("gen_agree") for r in runs])]  # fmt: skip
+            pick = mean_spread([r.get("pick_rate") for r in runs])
+            chance = mean_spread([r.get("pick_chance") for r in runs])
+            row += [f"{pick} ({chance})" if pick != "-" else "-", mean_spread([r["final_loss"] for r in runs]),
+                    f"{sum(r['train_seconds'] for r in runs) / len(runs):.0f}"]  # fmt: skip
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def mean_spread(values) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    return f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple, dict[str, list]] = {}
+    for run in record["runs"].values():
+        groups.setdefault((run["family"], run["task"], run["length"]), {}).setdefault(run["model"], []).append(run)
+    keys = sorted(groups)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, runs in groups[key].items():
+            bins = len(runs[0]["bins"])
+            width = key[2] / bins
+            xs, means, lows, highs = [], [], [], []
+            for b in range(bins):
+                values = [r["bins"][b] for r in runs if r["bins"][b] is not None]
+                if values:
+                    xs.append((b + 0.5) * width)
+                    means.append(sum(values) / len(values))
+                    lows.append(min(values))
+                    highs.append(max(values))
+            (line,) = ax.plot(xs, means, marker="o", ms=3, label=f"{name} ({len(runs)} seeds)")
+            ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+        ax.axhline(0.1, color="grey", lw=0.8, ls=":", label="chance")
+        ax.set(title=f"{key[0]} family: {key[1]}, {key[2]} tokens", xlabel="distance from fact to answer (tokens)",
+               ylabel="accuracy per answer token", ylim=(0, 1.02))  # fmt: skip
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=("compressive", "sinkhorn", "masked"), default="compressive")
+    p.add_argument("--task", choices=tuple(TASKS), default="passkey")
+    p.add_argument("--models", nargs="+", help="names, or `ablation` / `all` (default: the family's main set)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--length", type=int, help="tokens per sequence (default 160; sinkhorn and masked 256)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--segment", type=int, default=32, help="compressive family: segment length")
+    p.add_argument("--mem", type=int, default=32, help="compressive family: raw memories")
+    p.add_argument("--c-mem", dest="c_mem", type=int, default=32, help="compressive family: compressed memories")
+    p.add_argument("--rate", type=int, default=4, help="compressive family: compression rate")
+    p.add_argument("--bucket", type=int, default=16, help="sinkhorn families: bucket size")
+    p.add_argument("--pairs", type=int, default=4, help="mqar: key-value pairs per sequence")
+    p.add_argument("--eval-sequences", type=int, default=1024)
+    p.add_argument("--eval-batch", type=int, default=128)
+    p.add_argument("--eval-every", type=int, default=250, help="steps between the training curve's evaluations")
+    p.add_argument("--distance-bins", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 2 models, 1 seed")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", type=Path, default=REPO / "docs/benchmarks/recall.json")
+    p.add_argument("--plot", type=Path, default=REPO / "docs/images/recall.png")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot and reprint the tables from --json")
+    args = p.parse_args(argv)
+    if args.length is None:
+        args.length = 160 if args.family == "compressive" else 256
+    if args.quick:
+        args.steps, args.batch, args.eval_sequences, args.eval_every = 6, 4, 16, 3
+        args.seeds = args.seeds[:1]
+        args.models = args.models or DEFAULT_MODELS[args.family][:1] + ["llama" if args.family != "masked" else "bert"]
+    names = family_specs(args.family, args)
+    chosen = args.models or DEFAULT_MODELS[args.family]
+    chosen = [m for item in chosen for m in ({"ablation": ABLATION, "all": list(names)}.get(item, [item]))]
+    unknown = [m for m in chosen if m not in names]
+    if unknown:
+        p.error(f"--models: unknown for the {args.family} family: {unknown}; known: {sorted(names)}")
+    args.models = list(dict.fromkeys(chosen))
+    geometry = args.segment if args.family == "compressive" else args.bucket
+    if args.length % geometry:
+        p.error(f"--length ({args.length}) must be a multiple of the {'segment' if args.family == 'compressive' else 'bucket'} ({geometry})")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not args.plot_only:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        eval_batch = TASKS[args.task](torch.Generator().manual_seed(12345), args.eval_sequences, args.length, args.pairs)
+        specs = family_specs(args.family, args)
+        for seed in args.seeds:
+            for name in args.models:
+                result = train_one(specs[name], args, seed, args.family, eval_batch)
+                sizes = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "batch", "lr", "steps", "pairs")}
+                run = dict(family=args.family, task=args.task, length=args.length, model=name, seed=seed,
+                           sizes=sizes, **result)
+                with locked_record(args.json) as record:
+                    record["runs"][run_key(args.family, args, name, seed)] = run
+                    record.setdefault("commands", [])
+                    command = "python " + shlex.join([str(Path(sys.argv[0]))] + (argv or sys.argv[1:]))
+                    if command not in record["commands"]:
+                        record["commands"].append(command)
+                    record["versions"] = versions()
+                    record["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+                print(f"{name} seed {seed}: {result['accuracy']} ({result['train_seconds']} s)", flush=True)
+    record = json.loads(args.json.read_text())
+    print(summarise(record))
+    plot(record, args.plot)
+    print(f"\nwrote {args.json} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

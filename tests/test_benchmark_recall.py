@@ -1,0 +1,89 @@
+"""benchmarks/benchmark_recall.py: the synthetic tasks (checked by reading the sequences back token by token), the
+regions of each family's geometry, and a `--quick` run whose cached generate() must agree with the forward."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark_recall.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("longrange_benchmark_recall", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_passkey_sequences_read_back(bench):
+    batch = bench.passkey(torch.Generator().manual_seed(0), 64, 96)
+    for ids, answers, facts in zip(batch.ids.tolist(), batch.answers.tolist(), batch.facts.tolist()):
+        assert ids.count(bench.KEY) == 1 and ids.count(bench.QUERY) == 1
+        key, query = ids.index(bench.KEY), ids.index(bench.QUERY)
+        assert query == 96 - 5 and key + 4 < query
+        assert ids[query + 1 :] == ids[key + 1 : key + 5] and all(0 <= d <= 9 for d in ids[key + 1 : key + 5])
+        assert answers == [92, 93, 94, 95] and facts == [key + 1, key + 2, key + 3, key + 4]
+        others = ids[:key] + ids[key + 5 : query]
+        assert all(bench.PASSKEY_FILLER.start <= t < bench.PASSKEY_FILLER.stop for t in others)
+
+
+def test_mqar_sequences_read_back(bench):
+    batch = bench.mqar(torch.Generator().manual_seed(1), 64, 128, pairs=5)
+    for ids, answers, facts in zip(batch.ids.tolist(), batch.answers.tolist(), batch.facts.tolist()):
+        query = ids.index(bench.QUERY)
+        assert query == 128 - 11 and answers == [query + 2 + 2 * i for i in range(5)]
+        prefix_keys = [i for i, t in enumerate(ids[:query]) if t in bench.MQAR_KEYS]
+        assert len(prefix_keys) == 5 and len({ids[i] for i in prefix_keys}) == 5  # distinct keys, each once
+        for answer, fact in zip(answers, facts):
+            key = ids[answer - 1]
+            (place,) = [i for i in prefix_keys if ids[i] == key]  # where this key was given
+            assert fact == place + 1 and ids[answer] == ids[place + 1] and 0 <= ids[answer] <= 9
+        assert sorted(ids[a - 1] for a in answers) == sorted(ids[i] for i in prefix_keys)  # every key asked once
+
+
+def test_regions_follow_the_geometry(bench):
+    args = bench.parse_args(["--family", "compressive", "--segment", "32", "--mem", "32", "--c-mem", "8", "--rate", "4"])
+    names, region = bench.regions_of("compressive", args)
+    t = torch.full((6,), 100)  # predicting token 100: its segment starts at 96
+    f = torch.tensor([96, 95, 64, 63, 32, 31])  # own; memory (64..95); compressed (32..63); beyond
+    assert [names[i] for i in region(t, f).tolist()] == ["own segment", "memory", "memory", "compressed",
+                                                         "compressed", "beyond"]  # fmt: skip
+    args = bench.parse_args(["--family", "sinkhorn", "--bucket", "16"])
+    names, region = bench.regions_of("sinkhorn", args)
+    t, f = torch.full((4,), 40), torch.tensor([32, 31, 16, 15])  # bucket 2 starts at 32
+    assert [names[i] for i in region(t, f).tolist()] == ["own bucket", "previous bucket", "previous bucket", "routed"]
+
+
+def test_bad_arguments_name_the_option(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--family", "sinkhorn", "--models", "compressive"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--family", "compressive", "--length", "100"])  # not a segment multiple
+    with pytest.raises(ValueError, match="--pairs"):
+        bench.mqar(torch.Generator(), 1, 64, pairs=30)
+
+
+@pytest.mark.parametrize("family", ["compressive", "sinkhorn"])
+def test_quick_run_records_and_cached_generation_agrees(bench, tmp_path, family):
+    out, image = tmp_path / "recall.json", tmp_path / "recall.png"
+    bench.main(["--quick", "--family", family, "--no-progress", "--json", str(out), "--plot", str(image)])
+    record = json.loads(out.read_text())
+    runs = record["runs"]
+    assert {run["model"] for run in runs.values()} == {bench.DEFAULT_MODELS[family][0], "llama"}
+    for run in runs.values():
+        assert set(run["accuracy"]) == set(bench.regions_of(family, bench.parse_args(["--family", family]))[0])
+        assert sum(run["count"].values()) == 16 * 4  # every answer digit of the evaluation set is scored once
+        assert run["gen_agree"] == 1.0  # the first generated digit is the forward's argmax: the cache carried it
+        assert run["curve"] and run["train_seconds"] >= 0
+    ours = runs[f"{family}|passkey|{160 if family == 'compressive' else 256}|{bench.DEFAULT_MODELS[family][0]}|0"]
+    if family == "sinkhorn":
+        assert 0 <= ours["pick_rate"] <= 1 and ours["pick_chance"] > 0
+    assert image.stat().st_size > 0 and record["versions"]["torch"] == torch.__version__
