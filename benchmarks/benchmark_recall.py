@@ -176,10 +176,18 @@ def family_specs(family: str, args) -> dict[str, Spec]:
         base = dict(mem_len=mem, c_mem_len=cmem, compression_rate=rate)
         specs = [
             Spec("compressive", "compressive", base),
-            Spec("txl", "compressive", dict(mem_len=mem, c_mem_len=0, compression_function="mean_pool",
-                                             reconstruction_loss="none")),
-            Spec("txl_reach", "compressive", dict(mem_len=mem + cmem * rate, c_mem_len=0, compression_function="mean_pool",
-                                             reconstruction_loss="none")),
+            Spec(
+                "txl",
+                "compressive",
+                dict(mem_len=mem, c_mem_len=0, compression_function="mean_pool", reconstruction_loss="none"),
+            ),
+            Spec(
+                "txl_reach",
+                "compressive",
+                dict(
+                    mem_len=mem + cmem * rate, c_mem_len=0, compression_function="mean_pool", reconstruction_loss="none"
+                ),
+            ),
             Spec("alone", "compressive", base, window=args.segment),
             Spec("llama", "llama"),
             Spec("reference", "ref_compressive"),
@@ -451,8 +459,13 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            point = {"step": step + 1, "loss": round(sum(losses[-args.eval_every :]) / len(losses[-args.eval_every :]), 4)}
-            point.update({k: v for k, v in evaluate(spec, model, probe, args, family).items() if k in ("accuracy", "pick_rate")})
+            point = {
+                "step": step + 1,
+                "loss": round(sum(losses[-args.eval_every :]) / len(losses[-args.eval_every :]), 4),
+            }
+            point.update(
+                {k: v for k, v in evaluate(spec, model, probe, args, family).items() if k in ("accuracy", "pick_rate")}
+            )
             curve.append(point)
             bar.set_postfix(loss=point["loss"], **{k[:6]: v for k, v in point["accuracy"].items()})
     train_seconds = time.perf_counter() - start
@@ -570,7 +583,9 @@ def plot(record: dict, path: Path) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--family", choices=("compressive", "sinkhorn", "masked"), default="compressive")
     p.add_argument("--task", choices=tuple(TASKS), default="passkey")
     p.add_argument("--models", nargs="+", help="names, or `ablation` / `all` (default: the family's main set)")
@@ -615,7 +630,9 @@ def parse_args(argv=None):
     args.models = list(dict.fromkeys(chosen))
     geometry = args.segment if args.family == "compressive" else args.bucket
     if args.length % geometry:
-        p.error(f"--length ({args.length}) must be a multiple of the {'segment' if args.family == 'compressive' else 'bucket'} ({geometry})")
+        p.error(
+            f"--length ({args.length}) must be a multiple of the {'segment' if args.family == 'compressive' else 'bucket'} ({geometry})"
+        )
     return args
 
 
@@ -624,14 +641,17 @@ def main(argv=None) -> None:
     if not args.plot_only:
         if args.threads:
             torch.set_num_threads(args.threads)
-        eval_batch = TASKS[args.task](torch.Generator().manual_seed(12345), args.eval_sequences, args.length, args.pairs)
+        eval_batch = TASKS[args.task](
+            torch.Generator().manual_seed(12345), args.eval_sequences, args.length, args.pairs
+        )
         specs = family_specs(args.family, args)
         for seed in args.seeds:
             for name in args.models:
                 result = train_one(specs[name], args, seed, args.family, eval_batch)
                 sizes = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "batch", "lr", "steps", "pairs")}
-                run = dict(family=args.family, task=args.task, length=args.length, model=name, seed=seed,
-                           sizes=sizes, **result)
+                run = dict(
+                    family=args.family, task=args.task, length=args.length, model=name, seed=seed, sizes=sizes, **result
+                )
                 with locked_record(args.json) as record:
                     record["runs"][run_key(args.family, args, name, seed)] = run
                     record.setdefault("commands", [])

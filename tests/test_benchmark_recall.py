@@ -50,7 +50,9 @@ def test_mqar_sequences_read_back(bench):
 
 
 def test_regions_follow_the_geometry(bench):
-    args = bench.parse_args(["--family", "compressive", "--segment", "32", "--mem", "32", "--c-mem", "8", "--rate", "4"])
+    args = bench.parse_args(
+        ["--family", "compressive", "--segment", "32", "--mem", "32", "--c-mem", "8", "--rate", "4"]
+    )
     names, region = bench.regions_of("compressive", args)
     t = torch.full((6,), 100)  # predicting token 100: its segment starts at 96
     f = torch.tensor([96, 95, 64, 63, 32, 31])  # own; memory (64..95); compressed (32..63); beyond
