@@ -96,11 +96,13 @@ class Batch:
     facts: torch.Tensor
 
 
-def passkey(gen: torch.Generator, batch: int, length: int, pairs: int = 0) -> Batch:
+def passkey(gen: torch.Generator, batch: int, length: int, pairs: int = 0, max_back: int | None = None) -> Batch:
+    """`max_back`: the KEY marker lies at most this many tokens before QUERY (the curriculum); None: anywhere."""
     ids = torch.randint(PASSKEY_FILLER.start, PASSKEY_FILLER.stop, (batch, length), generator=gen)
     digits = torch.randint(0, 10, (batch, DIGITS), generator=gen)
     query = length - DIGITS - 1
-    start = torch.randint(0, query - DIGITS - 1, (batch,), generator=gen)  # the KEY marker
+    first = 0 if max_back is None else max(0, query - max_back)
+    start = torch.randint(first, query - DIGITS - 1, (batch,), generator=gen)  # the KEY marker
     rows = torch.arange(batch)[:, None]
     offsets = torch.arange(DIGITS)
     facts = start[:, None] + 1 + offsets
@@ -112,7 +114,8 @@ def passkey(gen: torch.Generator, batch: int, length: int, pairs: int = 0) -> Ba
     return Batch(ids, answers.clone(), facts)
 
 
-def mqar(gen: torch.Generator, batch: int, length: int, pairs: int = 4) -> Batch:
+def mqar(gen: torch.Generator, batch: int, length: int, pairs: int = 4, max_back: int | None = None) -> Batch:
+    """`max_back`: the pairs lie in the last this many tokens before QUERY (at least room for every pair)."""
     if pairs > len(MQAR_KEYS):
         raise ValueError(f"--pairs must be at most {len(MQAR_KEYS)}, got {pairs}")
     ids = torch.randint(FILLER.start, FILLER.stop, (batch, length), generator=gen)
@@ -122,7 +125,9 @@ def mqar(gen: torch.Generator, batch: int, length: int, pairs: int = 4) -> Batch
         raise ValueError(f"--length {length} is too short for {pairs} MQAR pairs")
     keys = torch.stack([torch.randperm(len(MQAR_KEYS), generator=gen)[:pairs] for _ in range(batch)]) + MQAR_KEYS.start
     values = torch.randint(0, 10, (batch, pairs), generator=gen)
-    places = torch.stack([torch.randperm(slots, generator=gen)[:pairs] for _ in range(batch)]) * 2
+    lowest = 0 if max_back is None else max(0, min(slots - pairs, slots - max_back // 2))
+    places = torch.stack([torch.randperm(slots - lowest, generator=gen)[:pairs] for _ in range(batch)]) + lowest
+    places = places * 2
     rows = torch.arange(batch)[:, None]
     ids[rows, places] = keys
     ids[rows, places + 1] = values
@@ -450,7 +455,7 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
     probe = Batch(*(t[: args.eval_batch] for t in (eval_batch.ids, eval_batch.answers, eval_batch.facts)))
     bar = tqdm(range(args.steps), desc=f"{family}/{args.task}/{spec.name} seed {seed}", disable=args.no_progress)
     for step in bar:
-        batch = to_device(task(gen, args.batch, args.length, args.pairs), args.device)
+        batch = to_device(task(gen, args.batch, args.length, args.pairs, curriculum_reach(step, args)), args.device)
         loss = training_loss(spec, model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -476,12 +481,25 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
                 options=spec.options, window=spec.window)  # fmt: skip
 
 
+def curriculum_reach(step: int, args) -> int | None:
+    """`--curriculum N`: the farthest a fact may lie grows linearly over the first N steps, from one segment or
+    bucket (what any model sees locally) to the whole sequence; None (anywhere) after them, or without it."""
+    if not args.curriculum or step >= args.curriculum:
+        return None
+    unit = args.segment if args.family == "compressive" else args.bucket
+    return int(unit + (args.length - unit) * step / args.curriculum)
+
+
 def to_device(batch: Batch, device: str) -> Batch:
     return Batch(batch.ids.to(device), batch.answers.to(device), batch.facts.to(device))
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # the record and the picture
+
+
+def record_name(model: str, args) -> str:
+    return f"{model}+curriculum{args.curriculum}" if args.curriculum else model
 
 
 def run_key(family: str, args, model: str, seed: int) -> str:
@@ -603,6 +621,13 @@ def parse_args(argv=None):
     p.add_argument("--rate", type=int, default=4, help="compressive family: compression rate")
     p.add_argument("--bucket", type=int, default=16, help="sinkhorn families: bucket size")
     p.add_argument("--pairs", type=int, default=4, help="mqar: key-value pairs per sequence")
+    p.add_argument(
+        "--curriculum",
+        type=int,
+        default=0,
+        help="a diagnostic: over the first N steps the facts' distance grows from one segment / bucket to "
+        "the whole sequence (recorded as <model>+curriculum<N>)",
+    )
     p.add_argument("--eval-sequences", type=int, default=1024)
     p.add_argument("--eval-batch", type=int, default=128)
     p.add_argument("--eval-every", type=int, default=250, help="steps between the training curve's evaluations")
@@ -650,10 +675,16 @@ def main(argv=None) -> None:
                 result = train_one(specs[name], args, seed, args.family, eval_batch)
                 sizes = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "batch", "lr", "steps", "pairs")}
                 run = dict(
-                    family=args.family, task=args.task, length=args.length, model=name, seed=seed, sizes=sizes, **result
+                    family=args.family,
+                    task=args.task,
+                    length=args.length,
+                    model=record_name(name, args),
+                    seed=seed,
+                    sizes=sizes,
+                    **result,
                 )
                 with locked_record(args.json) as record:
-                    record["runs"][run_key(args.family, args, name, seed)] = run
+                    record["runs"][run_key(args.family, args, record_name(name, args), seed)] = run
                     record.setdefault("commands", [])
                     command = "python " + shlex.join([str(Path(sys.argv[0]))] + (argv or sys.argv[1:]))
                     if command not in record["commands"]:

@@ -89,3 +89,15 @@ def test_quick_run_records_and_cached_generation_agrees(bench, tmp_path, family)
     if family == "sinkhorn":
         assert 0 <= ours["pick_rate"] <= 1 and ours["pick_chance"] > 0
     assert image.stat().st_size > 0 and record["versions"]["torch"] == torch.__version__
+
+
+def test_curriculum_keeps_facts_near_and_grows(bench):
+    args = bench.parse_args(["--family", "sinkhorn", "--curriculum", "100"])
+    assert bench.curriculum_reach(0, args) == 16 and bench.curriculum_reach(50, args) == 16 + 120
+    assert bench.curriculum_reach(100, args) is None and bench.record_name("top2", args) == "top2+curriculum100"
+    batch = bench.passkey(torch.Generator().manual_seed(0), 256, 256, max_back=40)
+    query = 256 - 5
+    assert ((query - batch.facts[:, 0] + 1) <= 40).all() and batch.facts[:, 0].min() < query - 30
+    batch = bench.mqar(torch.Generator().manual_seed(0), 64, 256, pairs=4, max_back=24)
+    query = 256 - 9  # QUERY, then 4 keys and values
+    assert ((query - batch.facts) <= 24).all() and (batch.facts < query).all()
