@@ -41,9 +41,12 @@ expand):
 
 Also measured: `generate()` with the model's own cache (passkey, causal models of ours and Llama): the prompt ends at
 QUERY, 4 greedy tokens are scored (`gen_*` columns; `gen_agree`: the first generated digit equals the forward's
-argmax, which must be 1.0 when the bounded cache carries what the forward saw); the Sinkhorn sort net's choice
-(`pick_rate`: over rows whose fact is routed-only, layers and Sinkhorn heads, how often the query's bucket picks
-the fact's bucket; `pick_chance`: n_top_buckets over the earlier buckets), at every `--eval-every` steps too.
+argmax; `gen_agree_all`: every generated digit equals the argmax of one uncached forward over the prompt and the
+digits generated before it: both must be 1.0 when the bounded cache carries what the forward saw; generated digits
+after a wrong one are conditioned on it, so `gen_*` accuracy can be below the teacher-forced forward's); the
+Sinkhorn sort net's choice (`pick_rate`: over rows whose fact is routed-only, layers and Sinkhorn heads, how often
+the query's bucket picks the fact's bucket; `pick_chance`: n_top_buckets over the earlier buckets), at every
+`--eval-every` steps too.
 
 Writes `--json` (merged with what is there: each run keyed by family, task, length, model and seed, so runs made
 in several processes or sessions accumulate; the file is locked while written) and `--plot` (accuracy against
@@ -381,6 +384,13 @@ def generated_accuracy(out, spec, model, chunk: Batch, forward_logits, region, n
     agree = out.setdefault("gen_agree", [0, 0])
     agree[0] += int((generated[:, 0] == forward_logits[:, 0].argmax(-1)).sum())
     agree[1] += generated.shape[0]
+    # every generated digit against one uncached forward over the prompt and the digits generated before it
+    continued = torch.cat([ids[:, :prompt_len], generated], 1)
+    at = torch.arange(prompt_len - 1, continued.shape[1] - 1).expand(len(continued), -1)
+    again = answer_logits(spec, model, continued, at).argmax(-1)
+    every = out.setdefault("gen_agree_all", [0, 0])
+    every[0] += int((again == generated).sum())
+    every[1] += generated.numel()
 
 
 def count_picks(out: dict, routing, config, predicting, facts, region):
@@ -417,6 +427,7 @@ def finish(out: dict) -> dict:
     if "gen_regions" in out:
         result["gen_accuracy"] = {k: rate(v) for k, v in out["gen_regions"].items()}
         result["gen_agree"] = rate(out["gen_agree"])
+        result["gen_agree_all"] = rate(out["gen_agree_all"])
     if "picks" in out:
         result["pick_rate"] = rate(out["picks"])
         chances = out["picks"][2]
@@ -545,7 +556,7 @@ def summarise(record: dict) -> str:
             row += [mean_spread([r["accuracy"][k] for r in runs]) for k in regions]
             if gen:
                 row += [mean_spread([r.get("gen_accuracy", {}).get(regions[-1]) for r in runs]),
-                        mean_spread([r.get("gen_agree") for r in runs])]  # fmt: skip
+                        mean_spread([r.get("gen_agree_all", r.get("gen_agree")) for r in runs])]  # fmt: skip
             pick = mean_spread([r.get("pick_rate") for r in runs])
             chance = mean_spread([r.get("pick_chance") for r in runs])
             row += [f"{pick} ({chance})" if pick != "-" else "-", mean_spread([r["final_loss"] for r in runs]),
