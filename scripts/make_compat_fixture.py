@@ -114,6 +114,14 @@ CASES: dict[str, tuple[str, str, dict]] = {
 }
 
 
+def cpu_model() -> str:
+    """The CPU's model name, as tests/test_compat_fixture.py compares it (Linux: /proc/cpuinfo)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
 def build(family: str, head: str, options: dict):
     from longrange import (
         CompressiveConfig,
@@ -226,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu": cpu_model(),  # the same instruction set on another vendor's CPU can round differently
             "threads": torch.get_num_threads(),
         }
     }

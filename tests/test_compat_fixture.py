@@ -3,14 +3,17 @@ the code (`scripts/make_compat_fixture.py`, run on a checkout of the commit reco
 the logits it gave for fixed inputs and, for causal models, the greedy tokens of a cached `generate()`. Reloaded
 with the current code, each must give the same logits, bit for bit, and the same tokens.
 
-Bit-identical logits are asked where the numbers can be: the same torch release and CPU instruction set as the run
-that made them (recorded in `expected.json`), one thread, float32. Elsewhere (e.g. CI's floor environment, another
-torch release whose kernels round differently) the logits must agree to 1e-5 and the tokens exactly.
+Bit-identical logits are asked where the numbers can be: the same torch release, CPU instruction set and CPU model
+as the run that made them (recorded in `expected.json`), one thread, float32. Elsewhere (e.g. CI's floor
+environment, another torch release whose kernels round differently, or another CPU: an AMD EPYC and the recording
+machine, both AVX512, differ by up to 5e-7; records made before the CPU model was kept count as another CPU) the
+logits must agree to 1e-5 and the tokens exactly.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 import pytest
@@ -36,10 +39,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def same_numerics(made_with: dict) -> bool:
     return (
         made_with["torch"] == torch.__version__
         and made_with["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        and made_with.get("cpu") == cpu_model()
     )
 
 
