@@ -363,3 +363,18 @@ def real_tokens_first(valid: torch.Tensor) -> torch.Tensor:
     their order, then its padding (a stable sort): what both models use so that padding never moves a row's
     segments or buckets."""
     return torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+
+
+def permute_tokens(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """t [b, L, e] with its tokens in the order `order` [b, L] (None: unchanged)."""
+    return t if order is None else t.gather(1, order[..., None].expand_as(t))
+
+
+def permute_map(t: torch.Tensor, order: torch.Tensor | None, keys: bool) -> torch.Tensor:
+    """An attention map t [b, h, L, K] with its query tokens (and, `keys`, its key tokens: K = L) in the order
+    `order` [b, L] (None: unchanged)."""
+    if order is None:
+        return t
+    b, h, length, k = t.shape
+    t = t.gather(2, order[:, None, :, None].expand(b, h, length, k))
+    return t.gather(3, order[:, None, None, :].expand(b, h, length, k)) if keys else t
