@@ -102,9 +102,11 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.device.type != "cpu" or torch.compiler.is_exporting():  # one pass (export: any length)
+            return self._rows(hidden_states)
         rows = hidden_states.shape[:-1].numel()
         blocks = -(-rows * self.up.out_features // self.block_elements)
-        if blocks > 1 and hidden_states.device.type == "cpu":
+        if blocks > 1:
             flat = hidden_states.reshape(rows, hidden_states.shape[-1])
             out = torch.cat([self._rows(part) for part in flat.chunk(blocks)])
             return out.view(*hidden_states.shape[:-1], out.shape[-1])

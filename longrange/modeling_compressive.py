@@ -45,7 +45,7 @@ from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import FeedForward, attend, blockwise_attention, put_along, register_fsdp_methods, sinusoidal_embedding
 from .loading import checked_from_pretrained
-from .packing import documents_apart
+from .packing import call_layout
 from .product_key_memory import ProductKeyMemory
 from .segments_compressive import SegmentRunner
 
@@ -562,7 +562,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @documents_apart(absolute_positions=False)  # packed documents (position_ids restarts): each a row of its own
+    @call_layout(absolute_positions=False)  # packed documents as rows; torch.export: any length
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -47,7 +47,7 @@ from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
 from .layers import ATTENTION_IMPLEMENTATIONS, permute_map, permute_tokens, real_tokens_first
 from .loading import checked_from_pretrained
-from .packing import documents_apart, pop_document_kwargs
+from .packing import call_layout, pop_document_kwargs
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
 from .sinkhorn_attention import attention_implementation, unsupported_attention
@@ -304,7 +304,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
         return [pair for layer, ff in layers for pair in layer.blocks(ff)]
 
     @can_return_tuple
-    @documents_apart(absolute_positions=True)  # packed documents (position_ids restarts): each a row of its own
+    @call_layout(absolute_positions=True)  # packed documents as rows; torch.export: any length
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -386,7 +386,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
             order = real_tokens_first(mask)  # [b, L]
             back = order.argsort(dim=1)  # [b, L]: each token's place in the given order
             hidden, mask = permute_tokens(hidden, order), mask.gather(1, order)
-        pad = (-hidden.shape[1]) % self.config.bucket_size
+        size = self.config.bucket_size  # padded to (length + size - 1) // size buckets: a multiple (torch.export)
+        pad = (hidden.shape[1] + size - 1) // size * size - hidden.shape[1]
         return F.pad(hidden, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False), back
 
     def _run_layers(self, hidden, shared: dict, cache, looks: list, length: int, back, output_hidden_states: bool):

@@ -1,20 +1,20 @@
-"""Packed sequences: several documents in one row, as transformers' padding-free collators hand them over.
+"""How a call is laid out before a model's layers: packed documents as rows of their own, and a dynamic length
+under torch.export padded to its bound. Everything else reaches the forward unchanged (`call_layout`).
 
-`DataCollatorWithFlattening` (and TRL's `SFTTrainer(packing=True)`) concatenate documents into one row and
-restart `position_ids` at 0 for each; with `return_flash_attn_kwargs=True` they also send the boundaries as
-`cu_seq_lens_q` / `cu_seq_lens_k` (with `max_length_q` / `max_length_k`), with `return_seq_idx=True` each token's
-document index as `seq_idx`. transformers' models then attend within each document only, and so do ours.
-
-How: `documents_apart` re-lays such a call out before the model's forward runs. Each document becomes a row of
-its own that starts at its first token (so at a bucket or segment boundary, with positions from 0 and an empty
-memory) and is padded at its end; the forward runs on those rows with their padding mask (a row's outputs never
-depend on its padding), and every output goes back to its token's place in the packed row. Each document's
-computation is then the one it gets when run alone. The cost is that of the rows: documents x the longest
-document's length.
+Packed sequences: `DataCollatorWithFlattening` (and TRL's `SFTTrainer(packing=True)`) concatenate documents into
+one row and restart `position_ids` at 0 for each; with `return_flash_attn_kwargs=True` they also send the
+boundaries as `cu_seq_lens_q` / `cu_seq_lens_k` (with `max_length_q` / `max_length_k`), with
+`return_seq_idx=True` each token's document index as `seq_idx`. transformers' models then attend within each
+document only, and so do ours: each document becomes a row of its own that starts at its first token (so at a
+bucket or segment boundary, with positions from 0 and an empty memory) and is padded at its end; the forward runs
+on those rows with their padding mask (a row's outputs never depend on its padding), and every output goes back
+to its token's place in the packed row. Each document's computation is then the one it gets when run alone. The
+cost is that of the rows: documents x the longest document's length.
 
 Positions mark documents when every row's `position_ids` count up by one from 0 and restart at 0 at each new
-document; other positions are not packed documents (each model keeps its own rule for them). Refused with packed
-documents, naming the argument: padding in `attention_mask`, a cache or `use_cache=True`, `output_attentions`.
+document (padding skipped); other positions are not packed documents (each model keeps its own rule for them).
+Refused with packed documents, naming the argument: padding in `attention_mask`, a cache or `use_cache=True`,
+`output_attentions`.
 
 Both modeling files import this module (relative import), so `save_pretrained` copies it next to the weights.
 """
@@ -26,6 +26,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .inputs import check_document_bounds, check_position_ids
 from .layers import real_tokens_first
@@ -190,9 +191,63 @@ def _run_documents(forward, model, kwargs: dict, starts: torch.Tensor, absolute_
     return out if return_dict or not tuples else out.to_tuple()
 
 
-def documents_apart(absolute_positions: bool):
-    """Decorates a base model's forward so that packed documents (see the module) each run as a row of their own;
-    any other call goes to the forward unchanged. `absolute_positions`: the model embeds positions (Sinkhorn),
+# ----------------------------------------------------------------------------------------------------------------
+# torch.export with a dynamic sequence length
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def length_bound(length) -> int | None:
+    """While torch.export traces with a dynamic sequence length: the largest length the exported program takes
+    (its `Dim`'s max); None for a concrete length (eager, compiled, or exported with a static length)."""
+    if not isinstance(length, torch.SymInt) or not torch.compiler.is_exporting():
+        return None
+    from torch.utils._sympy.numbers import int_oo  # (torch's unbounded integer, only needed here)
+
+    node = length.node
+    upper = node.shape_env.bound_sympy(node.expr).upper
+    if upper == int_oo or not upper.is_finite:
+        raise ValueError(
+            "torch.export with a dynamic sequence length needs a maximum: give its Dim a max, e.g. "
+            "Dim('seq', max=1024) (the exported program pads every call to it)"
+        )
+    return int(upper)
+
+
+def _padded_to_bound(forward, model, kwargs: dict, bound: int, bounds: dict, tuples: bool):
+    """The forward traced at the static length `bound`: the tokens padded at the end, an attention mask that
+    marks the padding (a row's outputs never depend on its padding) and the outputs cut back to the given length
+    (index_select: a fresh tensor, so that no stride depends on the length). The segment loop and the bucket
+    layout then see one fixed length, and the one program serves every length up to the bound, at its cost."""
+    given = [name for name in ("position_ids", "cache", "past_key_values") if kwargs.get(name) is not None]
+    given += [name for name in ("use_cache", "output_attentions") if kwargs.get(name)] + list(bounds)
+    if given:
+        raise ValueError(
+            f"torch.export with a dynamic sequence length takes input_ids or inputs_embeds (and attention_mask) "
+            f"with use_cache=False; got {', '.join(given)}"
+        )
+    name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+    tokens = kwargs[name]
+    length = tokens.shape[1]
+    pad = bound - length
+    kwargs[name] = F.pad(tokens, (0, 0) * (tokens.dim() - 2) + (0, pad))
+    real = torch.arange(bound, device=tokens.device)[None, :] < length  # [1, bound]
+    if kwargs.get("attention_mask") is not None:
+        real = real & (F.pad(kwargs["attention_mask"], (0, pad)) != 0)
+    kwargs.update(attention_mask=real.expand(tokens.shape[0], bound), use_cache=False, output_attentions=False)
+    if tuples:
+        kwargs["return_dict"] = True
+    out = forward(model, **kwargs)
+    kept = torch.arange(length, device=tokens.device)
+    out.last_hidden_state = out.last_hidden_state.index_select(1, kept)
+    if out.hidden_states is not None:
+        out.hidden_states = tuple(h.index_select(1, kept) for h in out.hidden_states)
+    return out
+
+
+def call_layout(absolute_positions: bool):
+    """Decorates a base model's forward so that packed documents (see the module) each run as a row of their own
+    and a dynamic length under torch.export is padded to its bound (see `_padded_to_bound`); any other call goes
+    to the forward unchanged. `absolute_positions`: the model embeds positions (Sinkhorn),
     and the documents' rows get the given ones; else (the Compressive model's relative positions) position_ids
     only mark the documents and are not passed on."""
 
@@ -200,15 +255,19 @@ def documents_apart(absolute_positions: bool):
         names = tuple(inspect.signature(forward).parameters)[1:]
 
         @functools.wraps(forward)
-        def forward_documents_apart(model, *args, **kwargs):
+        def forward_laid_out(model, *args, **kwargs):
             kwargs.update(zip(names, args))
             bounds = {name: kwargs.pop(name) for name in DOCUMENT_KWARGS if name in kwargs}
             bounds = {name: value for name, value in bounds.items() if value is not None and "max_length" not in name}
             position_ids = kwargs.get("position_ids")
             tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-            marked = position_ids is not None or bounds
-            if not marked or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
-                return forward(model, **kwargs)  # nothing marks documents (bad tokens: forward's checks say so)
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+                return forward(model, **kwargs)  # forward's checks say what is wrong
+            bound = length_bound(tokens.shape[1])
+            if bound is not None:  # torch.export with a dynamic length
+                return _padded_to_bound(forward, model, kwargs, bound, bounds, "return_dict" in names)
+            if position_ids is None and not bounds:
+                return forward(model, **kwargs)  # nothing marks documents
             if absolute_positions and not bounds and tokens.shape[1] == 1:
                 return forward(model, **kwargs)  # a decoding step: one token is one document
             batch, length = tokens.shape[:2]
@@ -220,6 +279,6 @@ def documents_apart(absolute_positions: bool):
                 return forward(model, **kwargs)
             return _run_documents(forward, model, kwargs, starts, absolute_positions, "return_dict" in names)
 
-        return forward_documents_apart
+        return forward_laid_out
 
     return decorate
