@@ -97,6 +97,24 @@ def test_the_packed_loss_is_the_token_weighted_mean_of_the_documents_losses(name
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["compressive", "sinkhorn causal"])
+def test_the_packed_loss_trains_as_the_documents_losses_do(name):
+    """Gradients of the packed loss equal those of the token-weighted mean of the documents' own losses."""
+    model = (compressive(reconstruction_loss="none") if name == "compressive" else make(name)).train()
+    docs = documents((6, 11, 4))
+    model(**packed(docs)).loss.backward()
+    together = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    predicted = [len(d) - 1 for d in docs]
+    sum(model(torch.tensor([d]), labels=torch.tensor([d])).loss * n for d, n in zip(docs, predicted)).div(
+        sum(predicted)
+    ).backward()
+    alone = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert together.keys() == alone.keys() and len(alone) > 10
+    for n in alone:
+        torch.testing.assert_close(together[n], alone[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
 @pytest.mark.parametrize("reconstruction", ["attention", "autoencoding"])
 @pytest.mark.parametrize("lengths", [(24, 6), (10, 24)])
 def test_each_document_trains_the_compression_as_alone(reconstruction, lengths):
