@@ -15,6 +15,13 @@ from torch import nn
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
+def is_exporting() -> bool:
+    """Whether torch.export is tracing (`torch.compiler.is_exporting`, torch >= 2.7; before: never known, and a
+    dynamic length does not export)."""
+    check = getattr(torch.compiler, "is_exporting", None)
+    return check is not None and check()
+
+
 def register_fsdp_methods(layers: nn.ModuleList) -> None:
     """Per-layer FSDP units (FSDP2's `fully_shard` on each layer, as Accelerate's `TRANSFORMER_BASED_WRAP` does
     with `_no_split_modules`): registers each layer's `FSDP_FORWARD_METHODS` (the methods the model calls on a layer
@@ -102,7 +109,7 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.device.type != "cpu" or torch.compiler.is_exporting():  # one pass (export: any length)
+        if hidden_states.device.type != "cpu" or is_exporting():  # one pass (export: any length)
             return self._rows(hidden_states)
         rows = hidden_states.shape[:-1].numel()
         blocks = -(-rows * self.up.out_features // self.block_elements)

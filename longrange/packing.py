@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .inputs import check_document_bounds, check_position_ids
-from .layers import real_tokens_first
+from .layers import is_exporting, real_tokens_first
 
 # what DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) adds to a batch
 DOCUMENT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -199,7 +199,7 @@ def _run_documents(forward, model, kwargs: dict, starts: torch.Tensor, absolute_
 def length_bound(length) -> int | None:
     """While torch.export traces with a dynamic sequence length: the largest length the exported program takes
     (its `Dim`'s max); None for a concrete length (eager, compiled, or exported with a static length)."""
-    if not isinstance(length, torch.SymInt) or not torch.compiler.is_exporting():
+    if not isinstance(length, torch.SymInt) or not is_exporting():
         return None
     from torch.utils._sympy.numbers import int_oo  # (torch's unbounded integer, only needed here)
 
