@@ -121,3 +121,40 @@ def check_cache(cache, model_type: str, batch: int, cache_batch: int) -> None:
         raise TypeError(f"cache is a {type(cache).__name__} of a {other} model; this {model_type} model needs its own")
     if cache_batch and cache_batch != batch:
         raise ValueError(f"cache holds batch size {cache_batch}, inputs have batch size {batch}")
+
+
+def check_position_ids(position_ids, batch: int, length: int) -> torch.Tensor:
+    """position_ids [batch or 1, length] of integer positions -> [batch, length] (a view)."""
+    _tensor(position_ids, "position_ids")
+    _integer(position_ids, "position_ids", "positions")
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
+        raise ValueError(f"position_ids must be [batch={batch}, {length}], got shape {tuple(position_ids.shape)}")
+    return position_ids.expand(batch, length)
+
+
+def check_document_bounds(bounds: dict, batch: int, length: int) -> None:
+    """The flash-attention-style document boundaries that transformers' `DataCollatorWithFlattening` sends:
+    `cu_seq_lens_q` / `cu_seq_lens_k` (equal; [documents + 1] cumulative lengths over the batch's flattened
+    tokens, from 0 to batch * length, a row's first token always starting a document) and / or `seq_idx`
+    [batch, length] (each token's document index, constant within a document). `max_length_q` / `max_length_k`
+    are derived values and not checked."""
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        cu = bounds.get(name)
+        if cu is None:
+            continue
+        _integer(_tensor(cu, name), name, "offsets")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D [documents + 1], got shape {tuple(cu.shape)}")
+        rows = torch.arange(0, batch * length, length, device=cu.device)
+        ok = (cu[0] == 0) & (cu[-1] == batch * length) & (cu.diff() > 0).all() & torch.isin(rows, cu).all()
+        assert_values(
+            ok, f"{name} must rise from 0 to batch * length = {batch * length}, every row starting a document"
+        )
+    q, k = bounds.get("cu_seq_lens_q"), bounds.get("cu_seq_lens_k")
+    if q is not None and k is not None and (q.shape != k.shape or not torch.equal(q, k)):
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be equal (documents attend within themselves)")
+    seq_idx = bounds.get("seq_idx")
+    if seq_idx is not None:
+        _integer(_tensor(seq_idx, "seq_idx"), "seq_idx", "document indices")
+        if tuple(seq_idx.shape) != (batch, length):
+            raise ValueError(f"seq_idx must be [batch={batch}, {length}], got shape {tuple(seq_idx.shape)}")

@@ -15,6 +15,13 @@ from torch import nn
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
+def is_exporting() -> bool:
+    """Whether torch.export is tracing (`torch.compiler.is_exporting`, torch >= 2.7; before: never known, and a
+    dynamic length does not export)."""
+    check = getattr(torch.compiler, "is_exporting", None)
+    return check is not None and check()
+
+
 def register_fsdp_methods(layers: nn.ModuleList) -> None:
     """Per-layer FSDP units (FSDP2's `fully_shard` on each layer, as Accelerate's `TRANSFORMER_BASED_WRAP` does
     with `_no_split_modules`): registers each layer's `FSDP_FORWARD_METHODS` (the methods the model calls on a layer
@@ -102,9 +109,11 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.device.type != "cpu" or is_exporting():  # one pass (export: any length)
+            return self._rows(hidden_states)
         rows = hidden_states.shape[:-1].numel()
         blocks = -(-rows * self.up.out_features // self.block_elements)
-        if blocks > 1 and hidden_states.device.type == "cpu":
+        if blocks > 1:
             flat = hidden_states.reshape(rows, hidden_states.shape[-1])
             out = torch.cat([self._rows(part) for part in flat.chunk(blocks)])
             return out.view(*hidden_states.shape[:-1], out.shape[-1])
@@ -363,3 +372,18 @@ def real_tokens_first(valid: torch.Tensor) -> torch.Tensor:
     their order, then its padding (a stable sort): what both models use so that padding never moves a row's
     segments or buckets."""
     return torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+
+
+def permute_tokens(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """t [b, L, e] with its tokens in the order `order` [b, L] (None: unchanged)."""
+    return t if order is None else t.gather(1, order[..., None].expand_as(t))
+
+
+def permute_map(t: torch.Tensor, order: torch.Tensor | None, keys: bool) -> torch.Tensor:
+    """An attention map t [b, h, L, K] with its query tokens (and, `keys`, its key tokens: K = L) in the order
+    `order` [b, L] (None: unchanged)."""
+    if order is None:
+        return t
+    b, h, length, k = t.shape
+    t = t.gather(2, order[:, None, :, None].expand(b, h, length, k))
+    return t.gather(3, order[:, None, None, :].expand(b, h, length, k)) if keys else t

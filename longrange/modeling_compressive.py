@@ -45,6 +45,7 @@ from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import FeedForward, attend, blockwise_attention, put_along, register_fsdp_methods, sinusoidal_embedding
 from .loading import checked_from_pretrained
+from .packing import call_layout
 from .product_key_memory import ProductKeyMemory
 from .segments_compressive import SegmentRunner
 
@@ -340,9 +341,12 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
 
     def _reconstruction_loss(self, eviction, compressed, compressed_valid, projections) -> torch.Tensor:
         """The loss that trains f_c on one eviction: attention reconstruction (reusing the segment's queries and
-        the evicted keys/values when forward computed them) or auto-encoding."""
+        the evicted keys/values when forward computed them) or auto-encoding. A row trains f_c only when its real
+        tokens completed the segment (its last token is real: real tokens come first), as the row alone would: a
+        segment that its padding completed (after a shorter row's end) compresses, but trains nothing."""
+        completed = eviction.segment_valid[:, -1:]  # [batch, 1]
         if self.reconstruction != "attention":
-            return self.autoencoding_loss(eviction.memories, eviction.valid, compressed)
+            return self.autoencoding_loss(eviction.memories, eviction.valid & completed, compressed)
         reused = None
         if projections is not None:
             query, all_keys, all_values = projections  # evicted = the first memories after c_mem
@@ -350,7 +354,7 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
             reused = (query, all_keys[:, :, evicted_kv], all_values[:, :, evicted_kv])
         return self.attention_reconstruction_loss(
             eviction.segment,
-            eviction.segment_valid,
+            eviction.segment_valid & completed,
             eviction.memories,
             eviction.valid,
             compressed,
@@ -558,6 +562,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @call_layout(absolute_positions=False)  # packed documents as rows; torch.export: any length
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -606,8 +611,9 @@ class CompressiveModel(CompressivePreTrainedModel):
         """The caller's cache (or None), refused early when it cannot serve this model (see `longrange/inputs.py`)."""
         if kwargs.get("position_ids") is not None:
             raise ValueError(
-                "position_ids is not supported by the Compressive model: positions are relative (Transformer-XL) and "
-                "follow from the tokens the cache has seen; pass the tokens in order instead"
+                "position_ids other than packed documents' (restarting at 0 at each document, counting up by one) are "
+                "not supported by the Compressive model: positions are relative (Transformer-XL) and follow from the "
+                "tokens the cache has seen; pass the tokens in order instead"
             )
         if cache is not None:
             check_cache(cache, "compressive", 0, 0)

@@ -45,8 +45,9 @@ from .compat import cache_output, check_assisted_decoding, use_own_cache
 from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
-from .layers import ATTENTION_IMPLEMENTATIONS, real_tokens_first
+from .layers import ATTENTION_IMPLEMENTATIONS, permute_map, permute_tokens, real_tokens_first
 from .loading import checked_from_pretrained
+from .packing import call_layout, pop_document_kwargs
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
 from .sinkhorn_attention import attention_implementation, unsupported_attention
@@ -236,21 +237,6 @@ class SinkhornPreTrainedModel(PreTrainedModel):
                 module.implementation = implementation
 
 
-def _permute_tokens(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """t [b, L, e] with its tokens in the order `order` [b, L] (None: unchanged)."""
-    return t if order is None else t.gather(1, order[..., None].expand_as(t))
-
-
-def _permute_map(t: torch.Tensor, order: torch.Tensor | None, keys: bool) -> torch.Tensor:
-    """An attention map t [b, h, L, K] with its query tokens (and, `keys`, its key tokens: K = L) in the order
-    `order` [b, L] (None: unchanged)."""
-    if order is None:
-        return t
-    b, h, length, k = t.shape
-    t = t.gather(2, order[:, None, :, None].expand(b, h, length, k))
-    return t.gather(3, order[:, None, None, :].expand(b, h, length, k)) if keys else t
-
-
 class SinkhornModel(SinkhornPreTrainedModel):
     """Token ids (or `inputs_embeds`) to hidden states (the seed's `SinkhornTransformer` / `return_embeddings`).
 
@@ -318,6 +304,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
         return [pair for layer, ff in layers for pair in layer.blocks(ff)]
 
     @can_return_tuple
+    @call_layout(absolute_positions=True)  # packed documents as rows; torch.export: any length
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -347,10 +334,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
         if stepping and length > 1:  # several new tokens on a filled cache: one at a time (exact, generation only)
             return self._step_one_at_a_time(input_ids, inputs_embeds, attention_mask, position_ids, cache)
 
-        device = (input_ids if input_ids is not None else inputs_embeds).device
-        mask = (
-            attention_mask if attention_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
-        )
+        given = input_ids if input_ids is not None else inputs_embeds[..., 0]  # [b, L]
+        mask = attention_mask if attention_mask is not None else torch.ones_like(given, dtype=torch.bool)
         if position_ids is None:  # positions count real tokens only
             position_ids = _position_ids(mask, cache.lengths[:, None] if stepping else 0)  # [b, L]
         if inputs_embeds is None:
@@ -366,7 +351,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
         looks = [{} if output_attentions else None for _ in range(config.num_hidden_layers)]
         shared = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
         hidden, all_hidden = self._run_layers(hidden, shared, cache, looks, length, back, output_hidden_states)
-        hidden = self.norm(_permute_tokens(hidden[:, :length], back))  # [b, L, hidden] in the given order
+        hidden = self.norm(permute_tokens(hidden[:, :length], back))  # [b, L, hidden] in the given order
 
         if stepping:
             cache.end_step(mask[:, 0])
@@ -400,8 +385,9 @@ class SinkhornModel(SinkhornPreTrainedModel):
         if padding_given:
             order = real_tokens_first(mask)  # [b, L]
             back = order.argsort(dim=1)  # [b, L]: each token's place in the given order
-            hidden, mask = _permute_tokens(hidden, order), mask.gather(1, order)
-        pad = (-hidden.shape[1]) % self.config.bucket_size
+            hidden, mask = permute_tokens(hidden, order), mask.gather(1, order)
+        size = self.config.bucket_size  # padded to (length + size - 1) // size buckets: a multiple (torch.export)
+        pad = (hidden.shape[1] + size - 1) // size * size - hidden.shape[1]
         return F.pad(hidden, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False), back
 
     def _run_layers(self, hidden, shared: dict, cache, looks: list, length: int, back, output_hidden_states: bool):
@@ -433,7 +419,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
             keep = torch.rand(self.config.num_hidden_layers, device=hidden.device) >= self.config.layer_dropout
 
         def given_order(h):  # [b, L, e] in the order of the given tokens
-            return _permute_tokens(h[:, :length], back)
+            return permute_tokens(h[:, :length], back)
 
         all_hidden = (given_order(hidden),) if output_hidden_states else None
         for depth, kwargs in enumerate(per_layer):
@@ -591,7 +577,7 @@ def _attention_outputs(looks: list[dict], back, length: int, context_length: int
     routing: maps in the order of the given tokens; routing in each row's bucket grid of its real tokens."""
 
     def given_order(t, keys):
-        return _permute_map(t, back, keys=keys)
+        return permute_map(t, back, keys=keys)
 
     attentions = tuple(given_order(look["map"][:, :, :length, :length], True) for look in looks)
     routing = tuple(
@@ -727,6 +713,7 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
             return_dict=True,
+            **pop_document_kwargs(kwargs),
         )
         hidden = outputs.last_hidden_state
         if logits_to_keep:
@@ -774,6 +761,7 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
             return_dict=True,
+            **pop_document_kwargs(kwargs),
         )
         logits = self._logits(outputs.last_hidden_state)
         loss = None

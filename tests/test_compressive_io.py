@@ -79,7 +79,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="CompressiveMemoryCache"):
         model(ids, cache=object())
     with pytest.raises(ValueError, match="position_ids"):  # relative positions: refused, never silently ignored
-        model(ids, position_ids=torch.arange(6)[None].expand(2, -1))
+        model(ids, position_ids=torch.arange(6)[None].expand(2, -1) + 3)  # (restarts at 0 mark packed documents)
     with pytest.raises(ValueError):  # transformers itself refuses kernels the model does not declare
         config = tiny_config()
         config._attn_implementation = "flash_attention_2"
