@@ -596,7 +596,7 @@ def plot(record: dict, path: Path) -> None:
                     means.append(sum(values) / len(values))
                     lows.append(min(values))
                     highs.append(max(values))
-            (line,) = ax.plot(xs, means, marker="o", ms=3, label=f"{name} ({len(runs)} seeds)")
+            (line,) = ax.plot(xs, means, marker="o", ms=3, label=f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
             ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
         ax.axhline(0.1, color="grey", lw=0.8, ls=":", label="chance")
         ax.set(title=f"{key[0]} family: {key[1]}, {key[2]} tokens", xlabel="distance from fact to answer (tokens)",
