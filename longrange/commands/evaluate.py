@@ -1,6 +1,6 @@
 """Perplexity and bits per byte / character of a saved model over one long file.
 
-    python scripts/evaluate.py runs/compressive ../shared/data/tinyshakespeare.txt --max_tokens 100000 --json out.json
+    longrange evaluate runs/compressive ../shared/data/tinyshakespeare.txt --max_tokens 100000 --json out.json
 
 Every token but the first is scored exactly once, given all the context the model can use:
 
@@ -23,26 +23,21 @@ is; no weight's shape depends on them, and a change that would alter one is refu
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# This file is named like the `evaluate` library: keep the scripts folder off the import path so `import evaluate`
-# anywhere below (transformers, longrange.metrics) finds the library, not this script.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-import longrange  # noqa: E402,F401  registers the longrange model types with the Auto classes
-from longrange.hub import check_model_source  # noqa: E402
-from longrange.tokenization import decode_bytes, encode_bytes  # noqa: E402
+import longrange  # noqa: F401  registers the longrange model types with the Auto classes
+from longrange.commands import command_parser
+from longrange.hub import check_model_source
+from longrange.tokenization import decode_bytes, encode_bytes
 
 
 @dataclass
@@ -255,9 +250,7 @@ def format_table(rows: dict[str, object]) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = command_parser("evaluate", __doc__, first_paragraph_only=True)
     p.add_argument("model", help="saved model folder or Hub id (its tokenizer is used)")
     p.add_argument("file", help="the text file to score (read as bytes)")
     p.add_argument("--method", choices=["auto", "cache", "sliding"], default="auto")
