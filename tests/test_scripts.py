@@ -241,6 +241,43 @@ def test_evaluate_compressive_cache_equals_one_forward(tmp_path, play_bytes):
         assert result["bits_per_byte"] == pytest.approx(expected.sum().item() / math.log(2) / 123, rel=1e-5)
 
 
+def test_evaluate_documents_as_rows_of_one_batch_equal_each_alone(tmp_path, play_bytes, capsys):
+    """Several documents scored as rows of one batch (files of different lengths: the shorter rows padded; a file
+    cut at line breaks) give the bits per byte of scoring them one at a time, and both equal an independent
+    computation: one forward over each whole document (no cache, no batch)."""
+    evaluate_script = load_command("evaluate")
+    tok = byte_tokenizer()
+    model = tiny_model("compressive", len(tok), {"pad_token_id": tok.pad_token_id}).eval()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    files = []
+    for i, (begin, end) in enumerate([(0, 150), (200, 260), (300, 410)]):  # 150, 60 and 110 bytes
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_bytes(play_bytes[begin:end])
+    total_nll = sum(direct_nll(model, torch.tensor(list(f.read_bytes()))).sum().item() for f in files)
+    expected = total_nll / math.log(2) / (150 + 60 + 110)
+    common = [str(tmp_path / "model"), *map(str, files), "--chunk_length", "24"]
+    batched, batched_scores = evaluate_script.main([*common, "--batch_size", "3"])
+    assert "tok/s" in capsys.readouterr().err  # the progress bar, with the rate
+    serial, serial_scores = evaluate_script.main([*common, "--batch_size", "1", "--no_progress"])
+    assert batched["documents"] == 3 and batched["scored_tokens"] == serial["scored_tokens"] == 320 - 3
+    assert batched["bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+    assert serial["bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(batched_scores.nll, serial_scores.nll, rtol=1e-5, atol=1e-6)
+
+    whole = tmp_path / "whole.txt"
+    whole.write_bytes(play_bytes[:600])
+    pieces = evaluate_script.split_at_lines(whole.read_bytes(), 4)
+    assert len(pieces) == 4 and b"".join(pieces) == whole.read_bytes()
+    assert all(piece.endswith(b"\n") for piece in pieces[:-1])
+    total_nll = sum(direct_nll(model, torch.tensor(list(piece))).sum().item() for piece in pieces)
+    for batch in ("4", "1"):
+        argv = [str(tmp_path / "model"), str(whole), "--documents", "4", "--batch_size", batch, "--no_progress"]
+        result, _ = evaluate_script.main(argv)
+        assert result["documents"] == 4
+        assert result["bits_per_byte"] == pytest.approx(total_nll / math.log(2) / 600, rel=1e-5)
+
+
 def test_evaluate_sinkhorn_scores_each_token_once(tmp_path, play_bytes):
     evaluate_script = load_command("evaluate")
     tok = byte_tokenizer()
