@@ -176,11 +176,15 @@ def _metrics_section(metrics: Mapping[str, float] | None) -> list[str]:
 
 
 def example_prompt(text: str | bytes, length: int = 24) -> str:
-    """The first characters of `text` for a usage example: its first non-blank line, cut to `length` characters."""
+    """The first characters of `text` for a usage example: its first non-blank line, cut to at most `length`
+    characters (at the last space before the cut, when there is one)."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="ignore")
     line = next((line for line in text.splitlines() if line.strip()), "")
-    return line[:length]
+    if len(line) <= length:
+        return line
+    cut = line.rfind(" ", 0, length + 1)
+    return line[:cut] if cut > 0 else line[:length]
 
 
 def _usage_section(load_name: str, prompt: str | None = None) -> list[str]:

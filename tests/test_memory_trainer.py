@@ -325,7 +325,7 @@ def test_memory_trainer_rejects_what_it_cannot_stream(tmp_path):
 
 
 @needs_supported
-@pytest.mark.slow  # two finetune.py runs, one of them two processes: ~1-2 min on a loaded 2-core machine
+@pytest.mark.slow  # two `longrange finetune` runs, one of them two processes: ~1-2 min on a loaded 2-core machine
 def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
     """longrange finetune (memory carried by default): 2 processes x 2 rows = 1 process x 2 rows x 2 accumulation
     steps: the same lanes, memories, losses, evaluations and weights."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,12 @@ def test_main_job_command_writes_folder_plot_and_samples(tmp_path):
     samples = (out / "samples.txt").read_text()
     assert samples.count("=== sample") == 3 and "prompt 'def '" in samples
     assert "=== sample 1" in proc.stdout and "done: 3 steps" in proc.stdout
+    # the progress bar ends on the summary's figures: tokens/s over the run and the last step's validation
+    summary = re.search(r"done: 3 steps, ([\d,]+) tokens/s; validation ([\d.]+) bits/byte", proc.stdout)
+    bar = re.findall(r"tok/s=([\d,]+)(?:, rec=[\d.]+)?, val_bpb=([\d.]+)", proc.stderr)[-1]
+    assert bar[0] == summary[1] and bar[1] == f"{float(summary[2]):.3f}", (bar, summary.groups())
+    card = (folder / "README.md").read_text()
+    assert "Rae et al., 2019" in card and "First Citizen" not in card and "# the start of the training text" in card
     metrics = json.loads((out / "metrics.json").read_text())
     assert np.isfinite(metrics["bits_per_byte"]) and np.isfinite(metrics["test_bits_per_byte"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
