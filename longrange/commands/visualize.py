@@ -172,7 +172,9 @@ def main(argv=None) -> list:
     args = parse_args(argv)
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     if config.model_type not in ("compressive", "sinkhorn"):
-        sys.exit(f"longrange visualize draws Compressive and Sinkhorn models; {args.model} is a {config.model_type!r} model")
+        sys.exit(
+            f"longrange visualize draws Compressive and Sinkhorn models; {args.model} is a {config.model_type!r} model"
+        )
     auto = AutoModelForMaskedLM if config.model_type == "sinkhorn" and not config.causal else AutoModelForCausalLM
     model = auto.from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
