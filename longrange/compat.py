@@ -10,7 +10,7 @@ loads with `trust_remote_code=True` across the same range.
   the modeling code is written once, with `cache`.
 - Before 5.10.1, `Trainer` counted every label (`labels.ne(-100)`) for `num_items_in_batch`, the divisor of a
   causal LM's summed loss, where only `labels[..., 1:]` are predicted: one token per row too many.
-  `TRAINER_COUNTS_PREDICTED_LABELS` says whether the installed Trainer counts right (scripts/finetune.py corrects
+  `TRAINER_COUNTS_PREDICTED_LABELS` says whether the installed Trainer counts right (longrange finetune corrects
   the count where it does not).
 """
 

@@ -148,7 +148,7 @@ class SinkhornConfig(PreTrainedConfig):
 
     Initialisation and output layer (defaults follow the sinkhorn-transformer package: with the transformers
     conventions instead, 0.02-normal weights and a tied output embedding, a 6 x 256 character model trained 100 steps
-    on Tiny Shakespeare (scripts/benchmark_quality.py) scored 3.83 validation bits/char against the package's 3.60;
+    on Tiny Shakespeare (benchmarks/benchmark_quality.py) scored 3.83 validation bits/char against the package's 3.60;
     with these defaults 3.61)
         initializer_range: None (default) = PyTorch's own defaults, as in the package: `nn.Linear` weights and biases
             U(-1/sqrt(fan_in), 1/sqrt(fan_in)), token and position embeddings N(0, 1) (so that tokens and positions
@@ -158,7 +158,7 @@ class SinkhornConfig(PreTrainedConfig):
             separate output layer). When tied and `initializer_range` is None, the shared matrix is initialised
             N(0, 1/embedding size) as an output layer (unit-variance logits at init) rather than N(0, 1).
 
-    Output layer options matching sinkhorn-transformer checkpoints (`scripts/convert_checkpoint.py` sets them)
+    Output layer options matching sinkhorn-transformer checkpoints (`longrange convert` sets them)
         lm_head_bias: the output layer has a bias. Default False.
         norm_after_project_out: with factorised embeddings (`emb_dim` != `hidden_size`), the final LayerNorm acts
             on the `emb_dim`-sized output of the projection back (as in the package) instead of on the hidden
@@ -347,7 +347,7 @@ FIELD_RULES = {
     "simple_sort_net_scores": one_of(("log_relu", "relu")),
 }
 
-# options that reproduce sinkhorn-transformer's causal self-attention (scripts/convert_checkpoint.py sets them)
+# options that reproduce sinkhorn-transformer's causal self-attention (longrange convert sets them)
 _REFERENCE_CAUSAL = ("causal_key_summary", "causal_null_score", "null_bucket_copies", "shifted_heads_skip_first_bucket")
 
 

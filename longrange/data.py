@@ -27,7 +27,7 @@ import torch
 SPLITS = ("train", "validation", "test")
 # Fractions (train, validation, test). 90/5/5 by default; Tiny Shakespeare's convention is 90/10/0.
 DEFAULT_SPLIT = (0.90, 0.05, 0.05)
-# The default corpus is capped so that `python scripts/train.py` stays a few-minute job on 2 CPU cores.
+# The default corpus is capped so that `longrange train` stays a few-minute job on 2 CPU cores.
 DEFAULT_STDLIB_MAX_BYTES = 4_000_000
 # Folders of the standard library that are not "the library": installed packages, its own (huge) test suite,
 # byte-code caches.

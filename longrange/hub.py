@@ -21,7 +21,7 @@ MODEL_NAMES = {
     "sinkhorn": "Sinkhorn Transformer",
 }
 PAPERS = {
-    "compressive": "Rae et al., 2020, *Compressive Transformers for Long-Range Sequence Modelling* (arXiv:1911.05507)",
+    "compressive": "Rae et al., 2019, *Compressive Transformers for Long-Range Sequence Modelling* (arXiv:1911.05507)",
     "sinkhorn": "Tay et al., 2020, *Sparse Sinkhorn Attention* (arXiv:2002.11296)",
 }
 # config fields worth a line in the card (the full config.json sits next to it)
@@ -82,6 +82,7 @@ def write_model_card(
     training_args: Mapping[str, Any] | None = None,
     repo_id: str | None = None,
     extra: str | None = None,
+    prompt: str | None = None,
 ) -> Path:
     """Write `folder/README.md`, the Hub model card (a `huggingface_hub.ModelCard`: `ModelCardData` metadata, then
     the markdown below), and return its path.
@@ -93,6 +94,7 @@ def write_model_card(
     training_args: the options training ran with (anything JSON-serialisable), shown as a table.
     repo_id: the Hub name used in the usage snippet (the folder path when absent).
     extra: markdown appended at the end.
+    prompt: the usage example's prompt, text like the training data (`example_prompt` of it); a newline when absent.
     """
     folder = Path(folder)
     config = _card_config(folder, model)
@@ -107,7 +109,7 @@ def write_model_card(
         *_configuration_section(config, model, tokenizer),
         *_training_section(training_args),
         *_metrics_section(metrics),
-        *_usage_section(repo_id or str(folder)),
+        *_usage_section(repo_id or str(folder), prompt),
         *(["", extra] if extra else []),
     ]
     path = folder / "README.md"
@@ -131,8 +133,8 @@ def _title(model_type: str, repo_id: str | None) -> list[str]:
     lines = [
         f"# {repo_id.split('/')[-1] if repo_id else name}",
         "",
-        f"A {name} language model built with [longrange](https://pypi.org/project/longrange-transformers/)"
-        " (the Compressive Transformer and the Sinkhorn Transformer as Hugging Face transformers models).",
+        f"A {name} language model built with longrange (the `longrange-transformers` distribution: the Compressive"
+        " Transformer and the Sinkhorn Transformer as Hugging Face transformers models).",
     ]
     if model_type in PAPERS:
         lines += ["", f"Paper: {PAPERS[model_type]}."]
@@ -173,14 +175,33 @@ def _metrics_section(metrics: Mapping[str, float] | None) -> list[str]:
     return ["", "## Metrics", "", "Not recorded."]
 
 
-def _usage_section(load_name: str) -> list[str]:
+def example_prompt(text: str | bytes, length: int = 24) -> str:
+    """The first characters of `text` for a usage example: its first non-blank line, cut to at most `length`
+    characters (at the last space before the cut, when there is one)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="ignore")
+    line = next((line for line in text.splitlines() if line.strip()), "")
+    if len(line) <= length:
+        return line
+    cut = line.rfind(" ", 0, length + 1)
+    return line[:cut] if cut > 0 else line[:length]
+
+
+def _usage_section(load_name: str, prompt: str | None = None) -> list[str]:
     """How to load and sample the model from the Hub (or the folder) with transformers alone."""
+    if prompt:
+        prompt_lines = [f'inputs = tokenizer({prompt!r}, return_tensors="pt")  # the start of the training text']
+    else:
+        prompt_lines = [
+            'inputs = tokenizer("\\n", return_tensors="pt")  # or the start of a text like the training data'
+        ]
     return [
         "",
         "## Usage",
         "",
-        "The modeling code ships with the weights, so `trust_remote_code=True` is all you need"
-        " (with `pip install longrange-transformers` and `import longrange` it is not needed at all).",
+        "The modeling code ships with the weights, so `trust_remote_code=True` is all you need. (With the longrange"
+        " package installed and imported, it is not needed: longrange is not on PyPI; install it from its"
+        " repository, `pip install .` in a checkout, or from a wheel built there, `pip wheel . --no-deps`.)",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -188,7 +209,7 @@ def _usage_section(load_name: str) -> list[str]:
         f'model = AutoModelForCausalLM.from_pretrained("{load_name}", trust_remote_code=True)',
         # the folder's config.json names the remote classes, so the tokenizer loader asks for trust too
         f'tokenizer = AutoTokenizer.from_pretrained("{load_name}", trust_remote_code=True)',
-        'inputs = tokenizer("First Citizen:", return_tensors="pt")',
+        *prompt_lines,
         "output = model.generate(**inputs, max_new_tokens=100, do_sample=True, top_k=40)",
         "print(tokenizer.decode(output[0]))",
         "```",

@@ -22,6 +22,20 @@ def is_exporting() -> bool:
     return check is not None and check()
 
 
+def unit_output(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+    """`output` of `module`, a tensor of its own (not a view) where `module` is an FSDP2 unit of its own (weight
+    tie's shared modules are): FSDP2 hooks a unit's output for the backward's parameter gathering, and an in-place
+    op on a view (a linear layer's 3-D output is one) would lose that hook, so torch warns about every such output.
+    Elsewhere, and while compiling, the output is returned as it is: no copy."""
+    if torch.compiler.is_compiling() or output._base is None or not torch.is_grad_enabled():
+        return output
+    if not torch.distributed.is_available():
+        return output
+    from torch.distributed.fsdp import FSDPModule
+
+    return output.clone() if isinstance(module, FSDPModule) else output
+
+
 def register_fsdp_methods(layers: nn.ModuleList) -> None:
     """Per-layer FSDP units (FSDP2's `fully_shard` on each layer, as Accelerate's `TRANSFORMER_BASED_WRAP` does
     with `_no_split_modules`): registers each layer's `FSDP_FORWARD_METHODS` (the methods the model calls on a layer
@@ -110,14 +124,14 @@ class FeedForward(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.device.type != "cpu" or is_exporting():  # one pass (export: any length)
-            return self._rows(hidden_states)
+            return unit_output(self, self._rows(hidden_states))
         rows = hidden_states.shape[:-1].numel()
         blocks = -(-rows * self.up.out_features // self.block_elements)
         if blocks > 1:
             flat = hidden_states.reshape(rows, hidden_states.shape[-1])
             out = torch.cat([self._rows(part) for part in flat.chunk(blocks)])
-            return out.view(*hidden_states.shape[:-1], out.shape[-1])
-        return self._rows(hidden_states)
+            return unit_output(self, out.view(*hidden_states.shape[:-1], out.shape[-1]))
+        return unit_output(self, self._rows(hidden_states))
 
     def _rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.up(hidden_states)  # [..., intermediate (x2 with GLU)]

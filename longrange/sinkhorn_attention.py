@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_sinkhorn import SinkhornConfig
-from .layers import ATTENTION_IMPLEMENTATIONS
+from .layers import ATTENTION_IMPLEMENTATIONS, unit_output
 from .sinkhorn_heads import CausalContextHeads, CausalSinkhornHeads, LocalHeads, SinkhornHeads, causal_pair
 
 
@@ -156,7 +156,7 @@ class SinkhornSelfAttention(nn.Module):
         else:
             out = self._full(q, k, v, attention_mask, layer_cache, attn_weights)
         out = out.transpose(1, 2).reshape(b, length, -1)  # [b, L, H * d]
-        return self.to_out(out)
+        return unit_output(self, self.to_out(out))
 
     def _full(self, q, k, v, mask, layer_cache, attn_weights):
         """Every group over the whole sequence (q, k, v [b, H, L, d]) -> [b, H, L, d]; the groups' records go to
@@ -286,4 +286,4 @@ class SinkhornCrossAttention(nn.Module):
             else:
                 out = self.heads(q, k, v, attention_mask, context_mask, attn_weights=attn_weights)
         out = out.transpose(1, 2).reshape(b, length, -1)
-        return self.to_out(out)
+        return unit_output(self, self.to_out(out))

@@ -16,7 +16,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_sinkhorn import SinkhornConfig
-from .layers import FeedForward
+from .layers import FeedForward, unit_output
 from .product_key_memory import ProductKeyMemory
 from .sinkhorn_attention import SinkhornCrossAttention, SinkhornSelfAttention
 
@@ -83,7 +83,7 @@ class FeedForwardBlock(nn.Module):
         x = self.norm(hidden_states)
         if self.chunks > 1 and x.shape[1] > 1:
             return torch.cat([self.net(c) for c in x.chunk(self.chunks, dim=1)], dim=1)
-        return self.net(x)
+        return unit_output(self, self.net(x))
 
 
 class SinkhornLayer(GradientCheckpointingLayer):

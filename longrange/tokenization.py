@@ -8,7 +8,7 @@ printable character by the GPT-2 byte-to-unicode table), so any text can be enco
 - `train_bpe_tokenizer(texts, vocab_size)`: a byte-level BPE trained with `tokenizers` on your texts.
 - `gpt2_tokenizer(path)`: the GPT-2 BPE from local `vocab.json` + `merges.txt` (no download).
 
-`load_tokenizer(spec, ...)` picks one from a short string; scripts use it for their `--tokenizer` option.
+`load_tokenizer(spec, ...)` picks one from a short string; the commands use it for their `--tokenizer` option.
 
 Raw bytes that are not valid UTF-8 (enwik8 has some) cannot be passed to a tokenizer that takes `str`. Use
 `encode_bytes(tokenizer, data)` and `decode_bytes(tokenizer, ids)`: for the byte tokenizer they are the identity on

@@ -5,7 +5,7 @@
 - `MemoryTrainer`: the same, with the Compressive memory carried from batch to batch (Transformer-XL training, what
   `TrainingArguments.past_index` did for `mems` before transformers v5 removed it). Its datasets are `StreamWindows`:
   each row of a batch continues, window after window, one contiguous lane of the token stream, exactly as
-  `scripts/train.py --streaming` lays batches out (`longrange.data.StreamBatcher`).
+  `longrange train --streaming` lays batches out (`longrange.data.StreamBatcher`).
 
 The rules MemoryTrainer follows:
 

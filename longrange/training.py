@@ -1,4 +1,4 @@
-"""Pieces shared by the training scripts: config overrides, schedule, streaming evaluation, curves, samples, state.
+"""Pieces shared by the training commands: config overrides, schedule, streaming evaluation, curves, samples, state.
 
 Nothing here is imported by the modeling files, so a saved model never depends on it.
 """

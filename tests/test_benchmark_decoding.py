@@ -1,4 +1,4 @@
-"""scripts/benchmark_decoding.py keeps running and reporting on the CPU (no timing assertions: figures are noisy)."""
+"""benchmarks/benchmark_decoding.py keeps running and reporting on the CPU (no timing assertions: figures are noisy)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from script_utils import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "benchmark_decoding.py"
+SCRIPT = REPO / "benchmarks" / "benchmark_decoding.py"
 
 
 @pytest.fixture

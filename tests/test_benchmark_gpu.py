@@ -1,4 +1,4 @@
-"""scripts/benchmark_gpu.py keeps running and reporting on the CPU (no timing assertions: figures are noisy here)."""
+"""benchmarks/benchmark_gpu.py keeps running and reporting on the CPU (no timing assertions: figures are noisy here)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from script_utils import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "benchmark_gpu.py"
+SCRIPT = REPO / "benchmarks" / "benchmark_gpu.py"
 
 
 def _load():

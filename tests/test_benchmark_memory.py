@@ -1,5 +1,5 @@
-"""scripts/benchmark_memory.py: the corpus (Bible books, Python files), the configurations, a `--quick` run on a corpus
-written here, and scripts/train.py --segments_alone (the no-memory baseline)."""
+"""benchmarks/benchmark_memory.py: the corpus (Bible books, Python files), the configurations, a `--quick` run on a corpus
+written here, and longrange train --segments_alone (the no-memory baseline)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import random
 
 import pytest
-from script_utils import load_script
+from script_utils import load_command, load_script
 
 WORDS = "the and of to in that shall he unto lord his they be is him not them it with all thou thy which".split()
 
@@ -95,7 +95,7 @@ def test_quick_run_writes_the_record_and_plot(tmp_path):
     assert json.loads((out / "memory.json").read_text()) == json.loads(json.dumps(report))
     assert (out / "memory.png").stat().st_size > 10_000
     assert report["complete"] and report["seeds"] == [0, 1]
-    assert report["command"] == "python scripts/benchmark_memory.py " + " ".join(argv)
+    assert report["command"] == "python benchmarks/benchmark_memory.py " + " ".join(argv)
     assert report["budget"]["tokens_per_run"] == 3 * 2 * 64
     assert {d["kind"] for d in report["evaluation"]["documents"]} == {"kjv", "python"}
     mem_lens = [str(m) for m in report["evaluation"]["mem_lens"]]
@@ -114,8 +114,8 @@ def test_quick_run_writes_the_record_and_plot(tmp_path):
     assert report["runs"]["txl"]["0"]["eval_memory"]["32"]["c_mem_len"] == 0
     assert [(c["a"], c["b"]) for c in report["comparisons"]] == [("compressive", "txl"), ("compressive", "none"),
                                                                    ("txl", "none")]  # fmt: skip
-    # the sweep goes through scripts/evaluate.py's override: the same figure from a model loaded with it
-    evaluate = load_script("evaluate")
+    # the sweep goes through longrange evaluate's override: the same figure from a model loaded with it
+    evaluate = load_command("evaluate")
     model = evaluate.load_model(str(out / "runs" / "compressive-seed1" / "model"), mem_len=32, c_mem_len=8).eval()
     docs = bench.interleave({"kjv": bench.kjv_books(kjv), "python": bench.python_files(python_dir, 8, 256)})
     rows, chosen, _, _ = bench.evaluation_rows(out / "corpus", docs, 0.25, 4, 128)
@@ -149,7 +149,7 @@ def test_quick_run_every_configuration(tmp_path):
 def test_train_segments_alone_feeds_each_segment_without_memory(tmp_path, monkeypatch):
     from longrange import CompressiveForCausalLM
 
-    train = load_script("train")
+    train = load_command("train")
     seen = []
     forward = CompressiveForCausalLM.forward
 

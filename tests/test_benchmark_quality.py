@@ -1,4 +1,4 @@
-"""scripts/benchmark_quality.py's summary over seeds (training itself runs in CI's `--quick` benchmark)."""
+"""benchmarks/benchmark_quality.py's summary over seeds (training itself runs in CI's `--quick` benchmark)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark_scaling.py runs every row, records failures, finds crossovers and draws its plot (no timing
+"""benchmarks/benchmark_scaling.py runs every row, records failures, finds crossovers and draws its plot (no timing
 assertions: figures are noisy here)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from script_utils import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "benchmark_scaling.py"
+SCRIPT = REPO / "benchmarks" / "benchmark_scaling.py"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

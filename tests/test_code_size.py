@@ -1,4 +1,4 @@
-"""scripts/code_size.py on a small hand-made package whose sizes are counted by hand below."""
+"""tools/code_size.py on a small hand-made package whose sizes are counted by hand below."""
 
 from __future__ import annotations
 

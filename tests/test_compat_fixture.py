@@ -1,5 +1,5 @@
 """Saved folders keep their behaviour: every model under `tests/fixtures/compat/` was saved by an earlier version of
-the code (`scripts/make_compat_fixture.py`, run on a checkout of the commit recorded in its `expected.json`), with
+the code (`tools/make_compat_fixture.py`, run on a checkout of the commit recorded in its `expected.json`), with
 the logits it gave for fixed inputs and, for causal models, the greedy tokens of a cached `generate()`. Reloaded
 with the current code, each must give the same logits, bit for bit, and the same tokens.
 

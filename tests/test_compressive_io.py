@@ -157,7 +157,7 @@ def test_benchmark_script_quick_mode_runs(tmp_path):
     pytest.importorskip("compressive_transformer_pytorch")
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_compressive.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark_compressive.py"
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, str(script), "--quick", "--json", str(out)],

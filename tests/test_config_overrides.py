@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,10 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_train_script():
-    spec = importlib.util.spec_from_file_location("longrange_train_script_overrides", REPO / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from longrange.commands import train
+
+    return train
 
 
 # ---- --config KEY=VALUE ------------------------------------------------------------------------------------------

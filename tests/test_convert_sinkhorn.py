@@ -7,9 +7,7 @@ parameter has moved from its initial value: freshly initialised models hide mapp
 weights (e.g. all LayerNorms equal, so a shared norm passes for per-layer ones).
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ from longrange.modeling_sinkhorn import SinkhornForCausalLM  # noqa: E402
 
 BASE = dict(num_tokens=50, dim=32, depth=2, heads=4, bucket_size=8, max_seq_len=64)
 ATOL = 1e-5
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "convert_checkpoint.py"
 
 
 def train_a_little(model, steps=3, lr=0.05, seed=0):
@@ -247,9 +244,8 @@ def test_cli_writes_a_folder_that_auto_loads_with_the_reference_logits(tmp_path,
     ref, kwargs = reference(causal=True, n_local_attn_heads=1, emb_dim=16)
     torch.save({"model_state_dict": ref.state_dict(), "step": 3}, tmp_path / "ckpt.pt")
     (tmp_path / "kwargs.json").write_text(json.dumps(kwargs))
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_script", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from longrange.commands import convert as script
+
     script.main([str(tmp_path / "ckpt.pt"), str(tmp_path / "kwargs.json"), str(tmp_path / "out"), "--check"])
     printed = capsys.readouterr().out
     assert "max |logit difference|" in printed

@@ -1,11 +1,11 @@
-"""scripts/evaluate.py --mem_len / --c_mem_len: evaluating a Compressive model with another memory than it was trained
+"""longrange evaluate --mem_len / --c_mem_len: evaluating a Compressive model with another memory than it was trained
 with (Transformer-XL's protocol). The weights do not depend on the memory lengths; the memory the model keeps does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from script_utils import load_script
+from script_utils import load_command
 
 from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
 from longrange.tokenization import byte_tokenizer
@@ -36,7 +36,7 @@ def memory_lengths(model, ids: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def test_override_changes_the_memory_kept_and_default_leaves_it(tmp_path):
-    evaluate = load_script("evaluate")
+    evaluate = load_command("evaluate")
     trained = save_tiny(tmp_path)
     ids = torch.randint(0, 256, (1, 160))  # 20 segments of 8: both memories fill up
     default = evaluate.load_model(str(tmp_path))
@@ -58,7 +58,7 @@ def test_override_changes_the_memory_kept_and_default_leaves_it(tmp_path):
 
 
 def test_main_reports_the_memory_used_and_scores_with_it(tmp_path):
-    evaluate = load_script("evaluate")
+    evaluate = load_command("evaluate")
     save_tiny(tmp_path)
     text = tmp_path / "doc.txt"
     torch.manual_seed(1)
@@ -87,7 +87,7 @@ def plain_model_config(folder) -> dict:
 
 
 def test_overrides_the_model_cannot_take_are_refused(tmp_path):
-    evaluate = load_script("evaluate")
+    evaluate = load_command("evaluate")
     save_tiny(tmp_path / "compressive")
     text = tmp_path / "doc.txt"
     text.write_bytes(b"some text to score " * 8)
@@ -106,7 +106,7 @@ def test_overrides_the_model_cannot_take_are_refused(tmp_path):
 
 
 def test_nll_with_cache_scores_rows_as_separate_documents(tmp_path):
-    evaluate = load_script("evaluate")
+    evaluate = load_command("evaluate")
     model = save_tiny(tmp_path).eval()
     rows = torch.randint(0, 256, (3, 50))
     together = evaluate.nll_with_cache(model, rows, 12).nll

@@ -12,7 +12,7 @@ import torch
 from huggingface_hub import ModelCard
 
 from longrange import CompressiveConfig, CompressiveForCausalLM
-from longrange.hub import check_model_source, prepare_hub_folder, push_folder, write_model_card
+from longrange.hub import check_model_source, example_prompt, prepare_hub_folder, push_folder, write_model_card
 from longrange.metrics import load_metric, metric_path
 from longrange.tokenization import byte_tokenizer
 
@@ -66,6 +66,7 @@ def test_model_card_has_data_config_metrics_and_usage(saved_compressive):
         metrics={"validation bits per character": 1.5432109},
         training_args={"max_steps": 100, "learning_rate": 3e-4},
         repo_id="me/tiny-compressive",
+        prompt=example_prompt(b"\n\nFirst Citizen:\nBefore we proceed any further, hear me speak.\n"),
     ).read_text()
     assert card.startswith("---\nlibrary_name: transformers\n")
     assert "tinyshakespeare.txt, first 90% by position" in card
@@ -74,7 +75,11 @@ def test_model_card_has_data_config_metrics_and_usage(saved_compressive):
     assert "| validation bits per character | 1.543 |" in card
     assert "| `learning_rate` | 0.0003 |" in card
     assert 'AutoModelForCausalLM.from_pretrained("me/tiny-compressive", trust_remote_code=True)' in card
-    assert "Compressive Transformers for Long-Range Sequence Modelling" in card
+    assert "Rae et al., 2019, *Compressive Transformers for Long-Range Sequence Modelling*" in card
+    # the usage example prompts with the start of the training text (its first non-blank line); install
+    # instructions name no package index the package is not on
+    assert "inputs = tokenizer('First Citizen:', return_tensors=\"pt\")" in card
+    assert "pypi.org" not in card and "pip install longrange" not in card and "pip install ." in card
     # the metadata block, as the Hub reads it
     metadata = ModelCard.load(folder / "README.md").data.to_dict()
     assert metadata == {
@@ -84,6 +89,13 @@ def test_model_card_has_data_config_metrics_and_usage(saved_compressive):
     }
     # without a live model, the card reads config.json in the folder
     assert "| `segment_length` | 8 |" in write_model_card(folder).read_text()
+
+
+def test_example_prompt_is_the_first_line_of_the_text_cut_short():
+    assert example_prompt("\n  \nimport os\nimport sys\n") == "import os"
+    assert example_prompt(b'"""A docstring that runs on and on past the cut."""\n', length=20) == '"""A docstring that'
+    assert example_prompt("abcdefghijkl", length=5) == "abcde"  # no space to cut at
+    assert example_prompt(b"\xff\xfeabc") == "abc"  # bytes that are not UTF-8 are left out
 
 
 def test_prepare_keeps_existing_card_pointed_at_repo(saved_compressive, tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/check_long_runs.py (RSS along a long generation and two training runs) in its quick mode, and what the
+"""benchmarks/check_long_runs.py (RSS along a long generation and two training runs) in its quick mode, and what the
 full runs found bounded: the Trainer's running loss parts keep no per-step tensors when logging is off."""
 
 from __future__ import annotations

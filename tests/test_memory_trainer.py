@@ -1,7 +1,7 @@
 """MemoryTrainer: Trainer fine-tuning with the Compressive memory carried from batch to batch.
 
 Every check compares against a plain loop written here (lanes cut from the stream by hand, `cache=` passed from one
-call to the next, torch AdamW), the training loop of `scripts/train.py --streaming`. Models are tiny and the text is
+call to the next, torch AdamW), the training loop of `longrange train --streaming`. Models are tiny and the text is
 generated in the test.
 """
 
@@ -325,9 +325,9 @@ def test_memory_trainer_rejects_what_it_cannot_stream(tmp_path):
 
 
 @needs_supported
-@pytest.mark.slow  # two finetune.py runs, one of them two processes: ~1-2 min on a loaded 2-core machine
+@pytest.mark.slow  # two `longrange finetune` runs, one of them two processes: ~1-2 min on a loaded 2-core machine
 def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
-    """scripts/finetune.py (memory carried by default): 2 processes x 2 rows = 1 process x 2 rows x 2 accumulation
+    """longrange finetune (memory carried by default): 2 processes x 2 rows = 1 process x 2 rows x 2 accumulation
     steps: the same lanes, memories, losses, evaluations and weights."""
     from longrange.tokenization import byte_tokenizer
 
@@ -341,7 +341,6 @@ def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
     )  # fmt: skip
     CompressiveForCausalLM(config).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
-    finetune = ROOT / "scripts" / "finetune.py"
     common = [
         str(tmp_path / "base"),
         "--data",
@@ -361,9 +360,9 @@ def test_finetune_carry_memory_two_processes_equal_accumulation(tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     commands = {  # evaluation: 4 lanes of 50 bytes (3 windows each) either way (2 processes x 2 rows, 1 x 4)
-        "accumulated": [sys.executable, str(finetune), *common, "--gradient_accumulation_steps", "2"]
+        "accumulated": [sys.executable, "-m", "longrange", "finetune", *common, "--gradient_accumulation_steps", "2"]
         + ["--per_device_eval_batch_size", "4"],
-        "two_processes": [*launch, str(finetune), *common, "--per_device_eval_batch_size", "2"],
+        "two_processes": [*launch, "-m", "longrange", "finetune", *common, "--per_device_eval_batch_size", "2"],
     }
     runs = {}
     for name, command in commands.items():

@@ -1,12 +1,11 @@
 """The user's workflow on saved folders of both models: pipeline, Trainer fine-tuning, evaluation, generation, sharing.
 
-Models are tiny (2 layers, width 32) so every test runs in seconds on 2 CPU cores. Scripts are run in-process through
-their `main(argv)` (loaded from their files), except the Hub-folder check, which needs a fresh interpreter.
+Models are tiny (2 layers, width 32) so every test runs in seconds on 2 CPU cores. Commands are run in-process through
+their `main(argv)` (`longrange.commands.<name>`), except the Hub-folder check, which needs a fresh interpreter.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -18,21 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from script_utils import load_command
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
 from longrange.tokenization import byte_tokenizer, decode_bytes, encode_bytes, train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    """Import scripts/<name>.py under a private module name (scripts/evaluate.py must not shadow `evaluate`)."""
-    spec = importlib.util.spec_from_file_location(f"longrange_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses in the script look their module up here
-    spec.loader.exec_module(module)
-    return module
 
 
 def tiny_model(kind: str, vocab_size: int, special: dict):
@@ -112,7 +103,7 @@ def test_bpe_tokenizer_in_saved_folder_round_trips_text(tmp_path, play_text):
 
 
 def test_trainer_finetunes_and_checkpoint_reloads(saved, small_text, tmp_path):
-    finetune = load_script("finetune")
+    finetune = load_command("finetune")
     out = tmp_path / "ft"
     argv = [str(saved), "--data", str(small_text), "--output_dir", str(out), "--window", "32", "--max_steps", "2"]
     argv += ["--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "2"]
@@ -152,7 +143,6 @@ def test_trainer_finetunes_and_checkpoint_reloads(saved, small_text, tmp_path):
 def test_finetune_accumulation_and_processes_equal_one_big_batch(tmp_path, play_bytes):
     """1 step of 4 rows = 2 accumulation steps of 2 rows = 2 processes of 2 rows, reconstruction loss included
     (Trainer alone would count the per-call reconstruction mean twice in both), with the same logged losses."""
-    finetune = ROOT / "scripts" / "finetune.py"
     data = tmp_path / "four_windows.txt"
     data.write_bytes(play_bytes[:160])  # 90% = 144 bytes = exactly 4 windows of 32: one full batch
     tok = byte_tokenizer()
@@ -166,10 +156,10 @@ def test_finetune_accumulation_and_processes_equal_one_big_batch(tmp_path, play_
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     commands = {
-        "big": [sys.executable, str(finetune), *common, "--per_device_train_batch_size", "4"],
-        "accumulated": [sys.executable, str(finetune), *common, "--per_device_train_batch_size", "2"]
+        "big": [sys.executable, "-m", "longrange", "finetune", *common, "--per_device_train_batch_size", "4"],
+        "accumulated": [sys.executable, "-m", "longrange", "finetune", *common, "--per_device_train_batch_size", "2"]
         + ["--gradient_accumulation_steps", "2"],
-        "two_processes": [*launch, str(finetune), *common, "--per_device_train_batch_size", "2"],
+        "two_processes": [*launch, "-m", "longrange", "finetune", *common, "--per_device_train_batch_size", "2"],
     }
     runs = {}
     for name, command in commands.items():
@@ -191,7 +181,7 @@ def test_finetune_accumulation_and_processes_equal_one_big_batch(tmp_path, play_
 
 def test_finetune_perplexity_matches_direct_computation(saved, small_text, tmp_path):
     """eval_perplexity equals exp(mean next-token NLL) computed here on the same validation windows."""
-    finetune = load_script("finetune")
+    finetune = load_command("finetune")
     out = tmp_path / "ft0"
     argv = [str(saved), "--data", str(small_text), "--output_dir", str(out), "--window", "32", "--max_steps", "1"]
     argv += ["--learning_rate", "0", "--max_eval_tokens", "128", "--save_steps", "100"]
@@ -209,20 +199,20 @@ def test_finetune_perplexity_matches_direct_computation(saved, small_text, tmp_p
 
 
 def test_finetune_passes_push_to_hub_to_training_arguments(tmp_path):
-    finetune = load_script("finetune")
+    finetune = load_command("finetune")
     args = finetune.parse_args(["m", "--output_dir", str(tmp_path), "--push_to_hub", "--hub_model_id", "me/tiny"])
     training_args = finetune.training_arguments(args)
     assert training_args.push_to_hub is True and training_args.hub_model_id == "me/tiny"
 
 
 def test_finetune_rejects_window_shorter_than_a_segment(saved, small_text, tmp_path):
-    finetune = load_script("finetune")
+    finetune = load_command("finetune")
     with pytest.raises(ValueError, match="shorter than one"):
         finetune.main([str(saved), "--data", str(small_text), "--output_dir", str(tmp_path), "--window", "4"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# scripts/evaluate.py: same NLL as a direct computation
+# longrange evaluate: same NLL as a direct computation
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -234,7 +224,7 @@ def direct_nll(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_evaluate_compressive_cache_equals_one_forward(tmp_path, play_bytes):
-    evaluate_script = load_script("evaluate")
+    evaluate_script = load_command("evaluate")
     tok = byte_tokenizer()
     model = tiny_model("compressive", len(tok), {})
     model.save_pretrained(tmp_path)
@@ -251,8 +241,45 @@ def test_evaluate_compressive_cache_equals_one_forward(tmp_path, play_bytes):
         assert result["bits_per_byte"] == pytest.approx(expected.sum().item() / math.log(2) / 123, rel=1e-5)
 
 
+def test_evaluate_documents_as_rows_of_one_batch_equal_each_alone(tmp_path, play_bytes, capsys):
+    """Several documents scored as rows of one batch (files of different lengths: the shorter rows padded; a file
+    cut at line breaks) give the bits per byte of scoring them one at a time, and both equal an independent
+    computation: one forward over each whole document (no cache, no batch)."""
+    evaluate_script = load_command("evaluate")
+    tok = byte_tokenizer()
+    model = tiny_model("compressive", len(tok), {"pad_token_id": tok.pad_token_id}).eval()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    files = []
+    for i, (begin, end) in enumerate([(0, 150), (200, 260), (300, 410)]):  # 150, 60 and 110 bytes
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_bytes(play_bytes[begin:end])
+    total_nll = sum(direct_nll(model, torch.tensor(list(f.read_bytes()))).sum().item() for f in files)
+    expected = total_nll / math.log(2) / (150 + 60 + 110)
+    common = [str(tmp_path / "model"), *map(str, files), "--chunk_length", "24"]
+    batched, batched_scores = evaluate_script.main([*common, "--batch_size", "3"])
+    assert "tok/s" in capsys.readouterr().err  # the progress bar, with the rate
+    serial, serial_scores = evaluate_script.main([*common, "--batch_size", "1", "--no_progress"])
+    assert batched["documents"] == 3 and batched["scored_tokens"] == serial["scored_tokens"] == 320 - 3
+    assert batched["bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+    assert serial["bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(batched_scores.nll, serial_scores.nll, rtol=1e-5, atol=1e-6)
+
+    whole = tmp_path / "whole.txt"
+    whole.write_bytes(play_bytes[:600])
+    pieces = evaluate_script.split_at_lines(whole.read_bytes(), 4)
+    assert len(pieces) == 4 and b"".join(pieces) == whole.read_bytes()
+    assert all(piece.endswith(b"\n") for piece in pieces[:-1])
+    total_nll = sum(direct_nll(model, torch.tensor(list(piece))).sum().item() for piece in pieces)
+    for batch in ("4", "1"):
+        argv = [str(tmp_path / "model"), str(whole), "--documents", "4", "--batch_size", batch, "--no_progress"]
+        result, _ = evaluate_script.main(argv)
+        assert result["documents"] == 4
+        assert result["bits_per_byte"] == pytest.approx(total_nll / math.log(2) / 600, rel=1e-5)
+
+
 def test_evaluate_sinkhorn_scores_each_token_once(tmp_path, play_bytes):
-    evaluate_script = load_script("evaluate")
+    evaluate_script = load_command("evaluate")
     tok = byte_tokenizer()
     model = tiny_model("sinkhorn", len(tok), {}).eval()
     model.save_pretrained(tmp_path)
@@ -281,7 +308,7 @@ def test_evaluate_sinkhorn_scores_each_token_once(tmp_path, play_bytes):
 
 
 def test_evaluate_bad_inputs(saved, tmp_path):
-    evaluate_script = load_script("evaluate")
+    evaluate_script = load_command("evaluate")
     with pytest.raises(FileNotFoundError, match="no such file"):
         evaluate_script.main([str(saved), str(tmp_path / "missing.txt")])
     empty = tmp_path / "empty.txt"
@@ -297,12 +324,12 @@ def test_evaluate_bad_inputs(saved, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# scripts/generate.py
+# longrange generate
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def test_generate_streams_and_matches_greedy(saved, capsys):
-    generate = load_script("generate")
+    generate = load_command("generate")
     texts = generate.main([str(saved), "--prompt", "KING:", "--max_new_tokens", "8"])
     printed = capsys.readouterr().out
     model = AutoModelForCausalLM.from_pretrained(saved).eval()
@@ -322,7 +349,7 @@ def test_generate_streams_and_matches_greedy(saved, capsys):
 
 
 class _Loaded:
-    """Stands in for AutoModelForCausalLM in scripts/generate.py: loads as it does and keeps what was loaded, with
+    """Stands in for AutoModelForCausalLM in longrange generate: loads as it does and keeps what was loaded, with
     the keyword arguments of every generate() call."""
 
     def __init__(self):
@@ -342,7 +369,7 @@ class _Loaded:
 
 
 def test_generate_loads_the_dtype_asked_for_and_can_turn_compilation_off(saved, monkeypatch):
-    generate = load_script("generate")
+    generate = load_command("generate")
     loaded = _Loaded()
     monkeypatch.setattr(generate, "AutoModelForCausalLM", loaded)
     args = [str(saved), "--prompt", "KING:", "--max_new_tokens", "4", "--no_stream"]
@@ -358,7 +385,7 @@ def test_generate_loads_the_dtype_asked_for_and_can_turn_compilation_off(saved, 
 def test_generate_compile_always_compiles_on_the_cpu_and_gives_the_eager_text(saved, monkeypatch):
     from torch._dynamo.utils import counters
 
-    generate = load_script("generate")
+    generate = load_command("generate")
     args = [str(saved), "--prompt", "KING:", "--max_new_tokens", "10", "--no_stream"]
     eager = generate.main([*args, "--compile", "never"])
     torch._dynamo.reset()
@@ -372,7 +399,7 @@ def test_generate_compile_always_compiles_on_the_cpu_and_gives_the_eager_text(sa
 
 
 def test_generate_rejects_bad_options(saved):
-    generate = load_script("generate")
+    generate = load_command("generate")
     for bad in (["--top_p", "0"], ["--temperature", "0"], ["--max_new_tokens", "0"]):
         with pytest.raises(SystemExit):
             generate.main([str(saved), *bad])
@@ -400,7 +427,7 @@ print(json.dumps(results))
 
 
 def test_push_to_hub_dry_run_folder_loads_without_longrange(tmp_path):
-    push = load_script("push_to_hub")
+    push = load_command("push")
     tok = byte_tokenizer()
     prepared, expected = [], {}
     for kind in ("compressive", "sinkhorn"):
@@ -438,7 +465,7 @@ def test_push_to_hub_dry_run_folder_loads_without_longrange(tmp_path):
 
 
 def test_push_to_hub_bad_inputs(tmp_path):
-    push = load_script("push_to_hub")
+    push = load_command("push")
     with pytest.raises(SystemExit, match="owner/name"):
         push.main([str(tmp_path), "no-owner", "--dry_run"])
     with pytest.raises(SystemExit, match="no config.json"):

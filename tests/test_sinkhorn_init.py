@@ -9,6 +9,9 @@ from longrange import SinkhornConfig, SinkhornForCausalLM
 SIZE = dict(vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, bucket_size=8, causal=True)
 
 
+# the tests read statistics of the weights: under no_grad, so no graph (and no warning for the scalar of a tensor
+# that needs grad)
+@torch.no_grad()
 def test_default_init_is_pytorch_default_and_untied():
     torch.manual_seed(0)
     model = SinkhornForCausalLM(SinkhornConfig(**SIZE, max_position_embeddings=512, axial_position_embeddings=False))
@@ -32,6 +35,7 @@ def test_default_init_is_pytorch_default_and_untied():
             assert float(linear.bias.abs().max()) <= bound and float(linear.bias.abs().max()) > 0
 
 
+@torch.no_grad()
 def test_float_initializer_range_and_tied_head():
     torch.manual_seed(0)
     model = SinkhornForCausalLM(SinkhornConfig(**SIZE, initializer_range=0.02))

@@ -1,10 +1,10 @@
-"""scripts/train.py: exact resume, accumulation = data parallelism, carried memories, the main-job command."""
+"""longrange train: exact resume, accumulation = data parallelism, carried memories, the main-job command."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from longrange.commands import train
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -46,18 +48,8 @@ TINY = {
 }
 
 
-def _load_train_module():
-    spec = importlib.util.spec_from_file_location("longrange_train_script", REPO / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _load_train_module()
-
-
 def run(output_dir, data, *extra, model="compressive", config=()):
-    """One in-process run of scripts/train.py on the generated play text with a tiny model (Accelerate state reset)."""
+    """One in-process run of longrange train on the generated play text with a tiny model (Accelerate state reset)."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
@@ -180,9 +172,9 @@ def test_non_utf8_bytes_train_with_the_byte_tokenizer(tmp_path):
 
 
 def test_main_job_command_writes_folder_plot_and_samples(tmp_path):
-    # the README's main job (`python scripts/train.py`) with a step limit; everything else at its defaults
+    # the README's main job (`longrange train`) with a step limit; everything else at its defaults
     out = tmp_path / "main-job"
-    cmd = [sys.executable, "scripts/train.py", "--max_steps", "3", "--eval_tokens", "4096", "--sample_tokens", "24",
+    cmd = [sys.executable, "-m", "longrange", "train", "--max_steps", "3", "--eval_tokens", "4096", "--sample_tokens", "24",
            "--output_dir", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -193,6 +185,12 @@ def test_main_job_command_writes_folder_plot_and_samples(tmp_path):
     samples = (out / "samples.txt").read_text()
     assert samples.count("=== sample") == 3 and "prompt 'def '" in samples
     assert "=== sample 1" in proc.stdout and "done: 3 steps" in proc.stdout
+    # the progress bar ends on the summary's figures: tokens/s over the run and the last step's validation
+    summary = re.search(r"done: 3 steps, ([\d,]+) tokens/s; validation ([\d.]+) bits/byte", proc.stdout)
+    bar = re.findall(r"tok/s=([\d,]+)(?:, rec=[\d.]+)?, val_bpb=([\d.]+)", proc.stderr)[-1]
+    assert bar[0] == summary[1] and bar[1] == f"{float(summary[2]):.3f}", (bar, summary.groups())
+    card = (folder / "README.md").read_text()
+    assert "Rae et al., 2019" in card and "First Citizen" not in card and "# the start of the training text" in card
     metrics = json.loads((out / "metrics.json").read_text())
     assert np.isfinite(metrics["bits_per_byte"]) and np.isfinite(metrics["test_bits_per_byte"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -207,7 +205,7 @@ def test_main_job_command_writes_folder_plot_and_samples(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["compressive", "sinkhorn"])
 def test_two_processes_equal_one_process_with_accumulation(tmp_path, play_file, model):
-    args = ["scripts/train.py", "--model", model, "--data", str(play_file), "--window", "32", "--batch_size", "2",
+    args = ["-m", "longrange", "train", "--model", model, "--data", str(play_file), "--window", "32", "--batch_size", "2",
             "--max_steps", "3", "--eval_every", "0", "--eval_tokens", "1024", "--num_samples", "0", "--cpu",
             "--learning_rate", "3e-3", "--config", *TINY[model]]  # fmt: skip
     # `--multi_gpu` selects accelerate's torchrun launcher (two real processes); the script's `--cpu` makes them CPU

@@ -1,11 +1,9 @@
-"""scripts/visualize.py on tiny saved models: Compressive (a PNG and per-segment masses that add up to one) and
+"""longrange visualize on tiny saved models: Compressive (a PNG and per-segment masses that add up to one) and
 Sinkhorn (a PNG of the routing, one panel per layer and head, and matrices that respect the routing rules)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
@@ -18,14 +16,11 @@ from longrange import (
 )
 from longrange.tokenization import byte_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "visualize.py"
-
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("visualize", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from longrange.commands import visualize
+
+    return visualize
 
 
 def test_visualize_writes_a_png_of_attention_mass_per_region(tmp_path):

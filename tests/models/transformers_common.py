@@ -29,7 +29,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TRANSFORMERS_VERSION = version("transformers")
 FOLDER = REPO / ".cache" / "transformers-tests" / TRANSFORMERS_VERSION / "tests"
-FETCH_COMMAND = "python scripts/fetch_transformers_tests.py"
+FETCH_COMMAND = "python tools/fetch_transformers_tests.py"
 PACKAGE = "transformers_common_tests"
 
 

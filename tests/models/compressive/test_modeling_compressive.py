@@ -1,5 +1,5 @@
 """transformers' common model tests (ModelTesterMixin, ConfigTester, TrainingTesterMixin, from the sdist of the
-installed transformers: `python scripts/fetch_transformers_tests.py`) for CompressiveModel and
+installed transformers: `python tools/fetch_transformers_tests.py`) for CompressiveModel and
 CompressiveForCausalLM. Every skip below names the documented design difference it follows."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """transformers' common model tests (ModelTesterMixin, ConfigTester, TrainingTesterMixin, from the sdist of the
-installed transformers: `python scripts/fetch_transformers_tests.py`) for SinkhornModel, SinkhornForCausalLM
+installed transformers: `python tools/fetch_transformers_tests.py`) for SinkhornModel, SinkhornForCausalLM
 (causal configs) and SinkhornForMaskedLM (non-causal configs). Every skip below names the documented design
 difference it follows."""
 

@@ -1,6 +1,6 @@
 """Fetch transformers' own common model tests, for tests/models/ (never copied into the repository).
 
-    python scripts/fetch_transformers_tests.py
+    python tools/fetch_transformers_tests.py
 
 Downloads the source distribution of the *installed* transformers version (`pip download --no-binary :all:
 --no-deps transformers==<installed>`) and extracts its top-level `tests/` folder (test_modeling_common.py,

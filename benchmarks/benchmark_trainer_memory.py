@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Trainer with the memory carried across batches vs Trainer without, on one long text (byte level).
 
-    python scripts/benchmark_trainer_memory.py --data ../shared/data/kjv-bible.txt \
+    python benchmarks/benchmark_trainer_memory.py --data ../shared/data/kjv-bible.txt \
         --json docs/benchmarks/trainer_memory.json
 
 Both runs start from the same tiny randomly initialised Compressive model and take the same steps, rows, window,
@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-# scripts/ holds evaluate.py: it must never shadow the `evaluate` library for anything imported from here
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# from a checkout: the package next to this folder (the user commands are in it: longrange.commands)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -144,7 +143,7 @@ def main(argv=None) -> dict:
         print(f"{name}: {json.dumps(results[name])}", flush=True)
 
     report = {
-        "command": "python scripts/benchmark_trainer_memory.py "
+        "command": "python benchmarks/benchmark_trainer_memory.py "
         + shlex.join(argv if argv is not None else sys.argv[1:]),
         "data": f"{Path(args.data).name}: {len(train_ids):,} training bytes, {len(eval_ids):,} validation bytes "
         "(the first after the 90% split)",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Long runs with the process's resident memory (RSS) sampled along the way: does anything grow per token or step?
 
-    python scripts/check_long_runs.py --json docs/benchmarks/long_runs.json   # 20,000 tokens, 1,000 steps each
-    python scripts/check_long_runs.py --quick                                 # small counts (the test runs this)
+    python benchmarks/check_long_runs.py --json docs/benchmarks/long_runs.json   # 20,000 tokens, 1,000 steps each
+    python benchmarks/check_long_runs.py --quick                                 # small counts (the test runs this)
 
 Three runs, one after the other in this process, each from a tiny randomly initialised model (weights do not matter
 for memory; the token stream is a seeded random one, so nothing is read from disk):
@@ -37,8 +37,7 @@ from pathlib import Path
 
 import torch
 
-# scripts/ holds evaluate.py: it must never shadow the `evaluate` library for anything imported from here
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# from a checkout: the package next to this folder (the user commands are in it: longrange.commands)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VOCAB = 256
@@ -279,7 +278,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     report = {
-        "command": "python scripts/check_long_runs.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/check_long_runs.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "rss_start_mb": round(rss_mb(), 2),

@@ -1,8 +1,8 @@
 """Training speed and memory on one device: longrange vs the reference packages vs transformers' Llama (SDPA).
 
-    python scripts/benchmark_gpu.py                                  # the issue's sizes, on CUDA when present
-    python scripts/benchmark_gpu.py --quick --device cpu --out /tmp/gpu_quick.json   # tiny smoke run (CI)
-    python scripts/benchmark_gpu.py --rows 'sinkhorn/.*/bf16'        # a subset (regular expression on row ids)
+    python benchmarks/benchmark_gpu.py                                  # the issue's sizes, on CUDA when present
+    python benchmarks/benchmark_gpu.py --quick --device cpu --out /tmp/gpu_quick.json   # tiny smoke run (CI)
+    python benchmarks/benchmark_gpu.py --rows 'sinkhorn/.*/bf16'        # a subset (regular expression on row ids)
 
 Rows (the table of issue 9; the model sizes are those of `benchmark_compressive.py` / `benchmark_sinkhorn.py`,
 whose builders and training steps are reused here, so both sides get the same configurations as on the CPU):
@@ -56,8 +56,8 @@ if str(REPO) not in sys.path:
 
 
 def _sibling(name: str):
-    """A script of this folder as a module, without putting scripts/ on sys.path (its evaluate.py would shadow the
-    `evaluate` library)."""
+    """A benchmark of this folder as a module, by path: also when this file itself was loaded by path, as the tests
+    do."""
     spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -2,9 +2,9 @@
 """Sizes of the code in a package folder: the longest function, the longest class, the largest module and the
 functions over 80 lines, read from the syntax tree.
 
-    python scripts/code_size.py                      # longrange/
-    python scripts/code_size.py some/package --json  # the same as JSON
-    python scripts/code_size.py --max-function 150 --max-class 600 --max-module 1500   # exit 1 when exceeded
+    python tools/code_size.py                      # longrange/
+    python tools/code_size.py some/package --json  # the same as JSON
+    python tools/code_size.py --max-function 150 --max-class 600 --max-module 1500   # exit 1 when exceeded
 
 Every `*.py` file under the folder (recursively) counts. A function (`def` or `async def`: methods and nested
 functions included, each counted on its own) or a class spans `end_lineno - lineno + 1` lines: from its `def` /

@@ -1,6 +1,6 @@
 """Generate text from any saved model folder or Hub id, streaming tokens to the terminal as they come.
 
-    python scripts/generate.py runs/compressive --prompt "ROMEO:" --max_new_tokens 200 --do_sample --top_k 40
+    longrange generate runs/compressive --prompt "ROMEO:" --max_new_tokens 200 --do_sample --top_k 40
 
 The model and tokenizer load through the Auto classes (`AutoModelForCausalLM`, `AutoTokenizer`), so this works for
 longrange folders (with the package installed, or with `--trust_remote_code` from the code saved in the folder) and
@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
 
 import longrange  # noqa: F401  registers the longrange model types with the Auto classes
+from longrange.commands import command_parser
 from longrange.hub import check_model_source
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -42,9 +43,7 @@ def compile_options(mode: str) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = command_parser("generate", __doc__, first_paragraph_only=True)
     p.add_argument("model", help="saved model folder (save_pretrained) or Hub id")
     p.add_argument("--prompt", default="", help="text to continue (empty: start from the tokenizer's bos token)")
     p.add_argument("--max_new_tokens", type=int, default=200)

@@ -3,8 +3,8 @@
 1,200-step schedule, ours against sinkhorn-transformer, one panel per corpus, one line per seed; the legend gives
 each run's validation bits per character.
 
-    python scripts/plot_parity.py                                   # -> docs/images/sinkhorn_parity.png
-    python scripts/plot_parity.py --runs h_ --out parity.png   # the runs whose name starts with h_
+    python benchmarks/plot_parity.py                                   # -> docs/images/sinkhorn_parity.png
+    python benchmarks/plot_parity.py --runs h_ --out parity.png   # the runs whose name starts with h_
 
 A run is drawn when its name starts with one of `--runs` and it records `train_loss_nats_mean_of_20_steps_ending_at`
 (the mean training loss of the 20 steps ending at each 100th step); its corpus is `data` (runs made before the

@@ -1,6 +1,6 @@
 """Convert a sinkhorn-transformer `SinkhornTransformerLM` checkpoint into a `save_pretrained` folder.
 
-    python scripts/convert_checkpoint.py model.pt kwargs.json out_dir [--check]
+    longrange convert model.pt kwargs.json out_dir [--check]
 
 model.pt: `torch.save(model.state_dict())` of the reference model, or a checkpoint dict holding it under
 `state_dict` / `model_state_dict` / `model` (an `AutoregressiveWrapper`'s state dict works too). kwargs.json: the
@@ -12,13 +12,13 @@ model, runs both on random tokens in eval mode and prints the largest logit diff
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+from longrange.commands import command_parser
 from longrange.convert_sinkhorn import convert, known_differences
 
 
@@ -51,7 +51,7 @@ def check_against_reference(checkpoint, kwargs: dict, model, length: int | None 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("convert", __doc__)
     parser.add_argument("checkpoint", help="torch.save'd state dict or checkpoint dict of the reference model")
     parser.add_argument("kwargs", help="JSON file (or inline JSON) of the SinkhornTransformerLM keyword arguments")
     parser.add_argument("output", help="folder to write (save_pretrained)")
@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     try:
         model = convert(checkpoint, kwargs)
     except ValueError as error:
-        raise SystemExit(f"convert_checkpoint: {error}") from error
+        raise SystemExit(f"longrange convert: {error}") from error
     model.save_pretrained(args.output)
     print(f"wrote {type(model).__name__} to {args.output}")
     for line in known_differences(kwargs):

@@ -1,8 +1,8 @@
 """Where a training step's time goes, for longrange's models and the reference packages, at the issue sizes.
 
-    python scripts/profile_training_step.py sinkhorn          # ours and sinkhorn-transformer 0.11.4
-    python scripts/profile_training_step.py compressive       # ours and compressive-transformer-pytorch 0.4.0
-    python scripts/profile_training_step.py sinkhorn --quick  # tiny sizes (smoke test)
+    python benchmarks/profile_training_step.py sinkhorn          # ours and sinkhorn-transformer 0.11.4
+    python benchmarks/profile_training_step.py compressive       # ours and compressive-transformer-pytorch 0.4.0
+    python benchmarks/profile_training_step.py sinkhorn --quick  # tiny sizes (smoke test)
 
 One warm-up step, then one step under torch.profiler for each side. Prints, per side, the step's CPU time, the
 time inside matrix products (mm / addmm / bmm / baddbmm and the fused attention kernels) and the rest. The

@@ -1,10 +1,10 @@
 """Cost against sequence length, next to full attention: training step and decoding, batch 1.
 
-    python scripts/benchmark_scaling.py --device cpu          # CPU: training 512 .. 16,384 tokens, decoding 512 .. 16,384
-    python scripts/benchmark_scaling.py --device cuda         # CUDA: training up to 65,536 tokens
-    python scripts/benchmark_scaling.py --quick --json /tmp/scaling.json --plot /tmp/scaling.png   # smoke run (CI)
-    python scripts/benchmark_scaling.py --rows 'train/(llama|sinkhorn)/' --lengths 512 1024 --json /tmp/part.json
-    python scripts/benchmark_scaling.py --plot-only docs/benchmarks/scaling.json   # redraw the plot, reprint tables
+    python benchmarks/benchmark_scaling.py --device cpu          # CPU: training 512 .. 16,384 tokens, decoding 512 .. 16,384
+    python benchmarks/benchmark_scaling.py --device cuda         # CUDA: training up to 65,536 tokens
+    python benchmarks/benchmark_scaling.py --quick --json /tmp/scaling.json --plot /tmp/scaling.png   # smoke run (CI)
+    python benchmarks/benchmark_scaling.py --rows 'train/(llama|sinkhorn)/' --lengths 512 1024 --json /tmp/part.json
+    python benchmarks/benchmark_scaling.py --plot-only docs/benchmarks/scaling.json   # redraw the plot, reprint tables
 
 Models, all of the same width, depth and heads (default hidden 256, 2 layers, 4 heads, vocabulary 256 (the
 reused builders' byte-level vocabulary), feed-forward 4 x hidden; Llama's SwiGLU 8/3 x hidden, parameter-matched):
@@ -105,8 +105,8 @@ REFERENCE_MISSING = "skipped: sinkhorn_transformer is not installed (the bench e
 
 
 def _sibling(name: str):
-    """A script of this folder as a module (loaded once), without putting scripts/ on sys.path (its evaluate.py
-    would shadow the `evaluate` library)."""
+    """A benchmark of this folder as a module (loaded once), by path: also when this file itself was loaded by path,
+    as the tests do."""
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
@@ -550,9 +550,9 @@ def versions() -> dict:
         out["longrange_commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--", "longrange", "scripts"], cwd=REPO,
+        status = subprocess.run(["git", "status", "--porcelain", "--", "longrange", "benchmarks"], cwd=REPO,
                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
-        out["longrange_uncommitted_changes"] = bool(status.strip())  # in the package or the scripts
+        out["longrange_uncommitted_changes"] = bool(status.strip())  # in the package or the benchmarks
     except (OSError, subprocess.CalledProcessError):
         out["longrange_commit"] = out["longrange_uncommitted_changes"] = None
     return out

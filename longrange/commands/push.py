@@ -1,6 +1,6 @@
 """Upload a saved longrange model folder to the Hugging Face Hub.
 
-    python scripts/push_to_hub.py runs/compressive your-name/compressive-shakespeare --dry_run --out upload/
+    longrange push runs/compressive your-name/compressive-shakespeare --dry_run --out upload/
 
 The upload folder is prepared first (`longrange.hub.prepare_hub_folder`): the model is loaded and saved again, so it
 holds safetensors weights, `config.json` with `auto_map`, the modeling code (so `trust_remote_code=True` works
@@ -16,13 +16,12 @@ import json
 import tempfile
 from pathlib import Path
 
+from longrange.commands import command_parser
 from longrange.hub import prepare_hub_folder, push_folder
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = command_parser("push", __doc__, first_paragraph_only=True)
     p.add_argument("folder", help="a folder written by save_pretrained (model + tokenizer)")
     p.add_argument("repo_id", help="Hub repository, e.g. your-name/compressive-shakespeare")
     p.add_argument("--dry_run", action="store_true", help="prepare the upload folder and list it; upload nothing")

@@ -1,8 +1,8 @@
 """Draw where a saved model looks: a Compressive model's attention mass on its memories along a long document, or
 a Sinkhorn model's routing (which key bucket each query bucket chose, per layer and head).
 
-    python scripts/visualize.py outputs/compressive-stdlib/model --text_file some_long_file.txt --out attention.png
-    python scripts/visualize.py outputs/sinkhorn-stdlib/model --text_file some_file.txt --out routing.png
+    longrange visualize outputs/compressive-stdlib/model --text_file some_long_file.txt --out attention.png
+    longrange visualize outputs/sinkhorn-stdlib/model --text_file some_file.txt --out routing.png
 
 Compressive: the document is fed one segment at a time with the cache carried across (as generation and streaming
 evaluation do), with `output_attentions=True`; each point is one segment: the mass of compressed memory, memory
@@ -27,15 +27,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 import longrange  # noqa: F401  registers the longrange model types with the Auto classes
+from longrange.commands import command_parser
 from longrange.tokenization import encode_bytes, is_byte_tokenizer
 
 REGIONS = ("compressed memory", "memory", "segment")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = command_parser("visualize", __doc__, first_paragraph_only=True)
     p.add_argument("model", help="saved Compressive or Sinkhorn model folder (save_pretrained) with its tokenizer")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--text_file", help="a long text file to read")
@@ -173,7 +172,9 @@ def main(argv=None) -> list:
     args = parse_args(argv)
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     if config.model_type not in ("compressive", "sinkhorn"):
-        sys.exit(f"visualize.py draws Compressive and Sinkhorn models; {args.model} is a {config.model_type!r} model")
+        sys.exit(
+            f"longrange visualize draws Compressive and Sinkhorn models; {args.model} is a {config.model_type!r} model"
+        )
     auto = AutoModelForMaskedLM if config.model_type == "sinkhorn" and not config.causal else AutoModelForCausalLM
     model = auto.from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)

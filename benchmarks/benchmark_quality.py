@@ -1,22 +1,22 @@
 #!/usr/bin/env python
 """Quality side by side: validation bits per character on char-level Tiny Shakespeare (90/10 split by position).
 
-    python scripts/benchmark_quality.py --quick       # tiny models, a few steps: checks that everything runs
-    python scripts/benchmark_quality.py               # 6 layers, 256 wide, 100 steps (about 10 minutes on 2 cores)
-    python scripts/benchmark_quality.py --models compressive --steps 500 --json results.json
+    python benchmarks/benchmark_quality.py --quick       # tiny models, a few steps: checks that everything runs
+    python benchmarks/benchmark_quality.py               # 6 layers, 256 wide, 100 steps (about 10 minutes on 2 cores)
+    python benchmarks/benchmark_quality.py --models compressive --steps 500 --json results.json
     # issue 11's protocol (bucket 64, windows of 512), one side at a time, with config overrides for ours:
-    python scripts/benchmark_quality.py --models sinkhorn --size issue11 --learning_rate 5e-4 --max_grad_norm 0.5 \
+    python benchmarks/benchmark_quality.py --models sinkhorn --size issue11 --learning_rate 5e-4 --max_grad_norm 0.5 \
         --sides ours --config weight_routed_keys=True
     # mean and spread over seeds: in one process, or from runs made side by side (one --json per process)
-    python scripts/benchmark_quality.py --models sinkhorn --size issue11 --steps 1200 --seeds 0 1 --json runs.json
-    python scripts/benchmark_quality.py --summarize ours_s0.json ours_s1.json reference_s0.json reference_s1.json
+    python benchmarks/benchmark_quality.py --models sinkhorn --size issue11 --steps 1200 --seeds 0 1 --json runs.json
+    python benchmarks/benchmark_quality.py --summarize ours_s0.json ours_s1.json reference_s0.json reference_s1.json
     # the second corpus (enwik8-style bytes)
-    python scripts/benchmark_quality.py --models sinkhorn --size issue11 --data ../shared/data/enwik8_small.xml
+    python benchmarks/benchmark_quality.py --models sinkhorn --size issue11 --data ../shared/data/enwik8_small.xml
 
 For each family the same size, steps, batch, window, optimizer (AdamW), learning-rate schedule (warm-up + cosine)
 and gradient clipping are used on both sides:
 
-* ours: `scripts/train.py` itself (the default training loop: the Compressive model streams contiguous windows
+* ours: `longrange train` itself (the default training loop: the Compressive model streams contiguous windows
   and carries its memory from step to step; Sinkhorn trains on shuffled windows);
 * reference: compressive-transformer-pytorch 0.4.0 (its `AutoregressiveWrapper` loss, one backward per segment
   as in its training example; memories start empty in every window) and sinkhorn-transformer 0.11.4 (its `Autopadder`
@@ -30,7 +30,6 @@ reference's setting), so the comparison is not flattered by context the referenc
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -43,8 +42,7 @@ import torch
 from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
-# scripts/ holds evaluate.py: it must never shadow the `evaluate` library for anything imported from here
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# from a checkout: the package next to this folder (the user commands are in it: longrange.commands)
 sys.path.insert(0, str(REPO))
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -62,14 +60,14 @@ SIZES = {
 
 
 def load_train_script():
-    spec = importlib.util.spec_from_file_location("longrange_train_script", REPO / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """`longrange train`'s module (longrange.commands.train)."""
+    from longrange.commands import train
+
+    return train
 
 
 def validation_units(streams) -> dict[str, float]:
-    """The validation split's bytes and characters per token, the conversions `scripts/train.py` applies to our
+    """The validation split's bytes and characters per token, the conversions `longrange train` applies to our
     side: the reference side's losses go through the same ones, so bits per character compare like with like on
     text with multi-byte characters too (the byte tokenizer's tokens are bytes, not characters)."""
     return {"bytes_per_token": streams.bytes_per_token("validation"),
@@ -77,7 +75,7 @@ def validation_units(streams) -> dict[str, float]:
 
 
 def ours(family: str, size: dict, args, workdir: Path) -> dict:
-    """Train with scripts/train.py; evaluate with and without the memory carried across validation windows."""
+    """Train with longrange train; evaluate with and without the memory carried across validation windows."""
     from accelerate.state import AcceleratorState, GradientState
 
     from longrange.data import eval_windows, load_corpus, tokenize_corpus

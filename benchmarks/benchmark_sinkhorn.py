@@ -41,9 +41,9 @@ Method.
   1,024-token prefill at 11.1 s against 1.8 s. `--threads 0` keeps torch's default (use it on an idle machine).
 
 Usage:
-    python scripts/benchmark_sinkhorn.py --quick            # tiny sizes, about a minute: smoke test / CI
-    python scripts/benchmark_sinkhorn.py --out bench.json   # full sizes of the issue (long: tens of minutes)
-    python scripts/benchmark_sinkhorn.py --cases train,generate --reps 3 --memory-reps 1
+    python benchmarks/benchmark_sinkhorn.py --quick            # tiny sizes, about a minute: smoke test / CI
+    python benchmarks/benchmark_sinkhorn.py --out bench.json   # full sizes of the issue (long: tens of minutes)
+    python benchmarks/benchmark_sinkhorn.py --cases train,generate --reps 3 --memory-reps 1
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Same width, depth, heads, segment/memory/compressed-memory lengths and compressi
 the two models are interleaved so that both see the same (shared) CPU load. Prints a markdown table with the
 ratios and writes the figures as JSON.
 
-    python scripts/benchmark_compressive.py            # the size: hidden 512, 6 layers, 8 heads,
+    python benchmarks/benchmark_compressive.py            # the size: hidden 512, 6 layers, 8 heads,
                                                        # segment 512, memory 512, compressed memory 128, rate 4
-    python scripts/benchmark_compressive.py --quick    # a CI-sized smoke run
+    python benchmarks/benchmark_compressive.py --quick    # a CI-sized smoke run
 
 Training: tokens/s of forward + backward + AdamW step over windows of `--segments` segments (ours: one forward
 that segments internally; reference: its AutoregressiveWrapper, one backward per segment as in its README). Each

@@ -7,7 +7,7 @@ Run it from a checkout of the code whose behaviour is to be recorded, e.g. a wor
 edits in progress elsewhere do not leak in:
 
     git worktree add /tmp/lr-base <commit>
-    PYTHONPATH=/tmp/lr-base python scripts/make_compat_fixture.py --expect-package /tmp/lr-base
+    PYTHONPATH=/tmp/lr-base python tools/make_compat_fixture.py --expect-package /tmp/lr-base
     git worktree remove /tmp/lr-base
 
 Each folder `<name>/` holds what `save_pretrained` writes (`config.json`, `generation_config.json`,

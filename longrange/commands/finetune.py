@@ -1,15 +1,15 @@
 """Fine-tune a saved longrange model (folder or Hub id) on text with `transformers.Trainer`.
 
-    python scripts/finetune.py runs/tiny-compressive --data ../shared/data/tinyshakespeare.txt \
+    longrange finetune runs/tiny-compressive --data ../shared/data/tinyshakespeare.txt \
         --output_dir runs/ft --max_steps 200 --window 512
 
-The data goes through `longrange.data` (the same corpus loading, tokenisation and windows as `scripts/train.py`), with
+The data goes through `longrange.data` (the same corpus loading, tokenisation and windows as `longrange train`), with
 the tokenizer saved in the model folder. Windows are a multiple of the model's segment (Compressive) or bucket
 (Sinkhorn) size.
 
 The Compressive model carries its memory across batches by default (`--carry_memory`, Transformer-XL training with
 `longrange.trainer.MemoryTrainer`): every row of a batch continues one contiguous lane of the text, window after
-window, with the memory it left at the previous step, as `scripts/train.py --streaming` does; evaluation streams the
+window, with the memory it left at the previous step, as `longrange train --streaming` does; evaluation streams the
 validation text the same way from an empty memory (lanes = processes x per-device eval batch). `--no-carry_memory`
 trains on shuffled independent windows, each from an empty memory (the memory then spans the segments inside a
 window only). The Sinkhorn model has no memory: independent shuffled windows.
@@ -22,26 +22,23 @@ accuracy module, no download) and perplexity. `--push_to_hub` / `--hub_model_id`
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 
-# scripts/evaluate.py would shadow the `evaluate` library (used by the metrics) for a script run from this folder
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed  # noqa: E402
-
-import longrange  # noqa: E402,F401  registers the longrange model types with the Auto classes
-from longrange.data import check_window, load_corpus, tokenize_corpus, window_multiple, windows_dataset  # noqa: E402
-from longrange.hub import check_model_source  # noqa: E402
-from longrange.metrics import load_metric  # noqa: E402
-from longrange.tokenization import is_byte_tokenizer  # noqa: E402
-from longrange.trainer import MEMORY_TRAINER_SUPPORTED, LongrangeTrainer, MemoryTrainer, StreamWindows  # noqa: E402
-from longrange.training import carries_cache  # noqa: E402
+import longrange  # noqa: F401  registers the longrange model types with the Auto classes
+from longrange.commands import command_parser
+from longrange.data import check_window, load_corpus, tokenize_corpus, window_multiple, windows_dataset
+from longrange.hub import check_model_source, example_prompt
+from longrange.metrics import load_metric
+from longrange.tokenization import is_byte_tokenizer
+from longrange.trainer import MEMORY_TRAINER_SUPPORTED, LongrangeTrainer, MemoryTrainer, StreamWindows
+from longrange.training import carries_cache
 
 
 def next_token_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -73,9 +70,7 @@ def make_compute_metrics():
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = command_parser("finetune", __doc__, first_paragraph_only=True)
     p.add_argument("model", help="saved model folder (save_pretrained) or Hub id; its tokenizer is used")
     p.add_argument("--data", default="stdlib", help="text file, folder, Hub dataset name, or 'stdlib' (default)")
     p.add_argument("--dataset_config", default=None, help="config name of a Hub dataset")
@@ -141,28 +136,19 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
     )
 
 
-def main(argv=None) -> dict[str, float]:
-    args = parse_args(argv)
-    set_seed(args.seed)
-    check_model_source(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    unit = window_multiple(model.config)
+def finetune_window(args: argparse.Namespace, config) -> int:
+    """--window, or four segments / buckets (Sinkhorn: at most the model's positions), checked against the model."""
+    unit = window_multiple(config)
     window = args.window if args.window is not None else 4 * unit
-    if args.window is None and getattr(model.config, "model_type", None) == "sinkhorn":
-        window = min(window, model.config.max_position_embeddings // unit * unit)
-    check_window(window, model.config)
+    if args.window is None and getattr(config, "model_type", None) == "sinkhorn":
+        window = min(window, config.max_position_embeddings // unit * unit)
+    check_window(window, config)
+    return window
 
-    # default: carry memories where the model has them and the installed transformers supports MemoryTrainer
-    carry = carries_cache(model.config) and MEMORY_TRAINER_SUPPORTED if args.carry_memory is None else args.carry_memory
-    if carry and not carries_cache(model.config):
-        raise ValueError(f"--carry_memory needs a model with memory (compressive), got {model.config.model_type!r}")
 
-    byte_level = is_byte_tokenizer(tokenizer)
-    corpus = load_corpus(args.data, dataset_config=args.dataset_config, split=args.split, as_bytes=byte_level)
-    streams = tokenize_corpus(corpus, tokenizer)
-    eval_ids = streams.ids["validation"][: args.max_eval_tokens]
-    training_args = training_arguments(args)
+def finetune_datasets(streams, window: int, carry: bool, training_args: TrainingArguments, max_eval_tokens: int | None):
+    """(training set, evaluation set or None): contiguous lanes when the memory is carried, else shuffled windows."""
+    eval_ids = streams.ids["validation"][:max_eval_tokens]
     if carry:
         train_set = StreamWindows(streams.ids["train"], window)
         # one lane per evaluation row and process: fewer rows when the validation text is short
@@ -178,9 +164,42 @@ def main(argv=None) -> dict[str, float]:
     if eval_set is None:
         print(f"note: the validation split has {len(eval_ids)} tokens, too few for one window of {window} per "
               "evaluation row: no evaluation")  # fmt: skip
+    return train_set, eval_set
 
-    trainer_cls = MemoryTrainer if carry else LongrangeTrainer
-    trainer = trainer_cls(
+
+def card(args: argparse.Namespace, corpus, streams, window: int, carry: bool) -> dict:
+    """The model card's training data, options and example prompt (the first characters of the training text)."""
+    return {
+        "dataset": f"fine-tuned on {corpus.name} ({len(streams.ids['train']):,} training tokens, windows of {window})",
+        "training_args": {
+            "base model": args.model,
+            "max_steps": args.max_steps,
+            "learning_rate": args.learning_rate,
+            "batch size": args.per_device_train_batch_size * args.gradient_accumulation_steps,
+            "window": window,
+            "memory carried across batches": carry,
+        },
+        "prompt": example_prompt(corpus.splits["train"][0]) if corpus.splits["train"] else None,
+    }
+
+
+def main(argv=None) -> dict[str, float]:
+    args = parse_args(argv)
+    set_seed(args.seed)
+    check_model_source(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    window = finetune_window(args, model.config)
+    # default: carry memories where the model has them and the installed transformers supports MemoryTrainer
+    carry = carries_cache(model.config) and MEMORY_TRAINER_SUPPORTED if args.carry_memory is None else args.carry_memory
+    if carry and not carries_cache(model.config):
+        raise ValueError(f"--carry_memory needs a model with memory (compressive), got {model.config.model_type!r}")
+    byte_level = is_byte_tokenizer(tokenizer)
+    corpus = load_corpus(args.data, dataset_config=args.dataset_config, split=args.split, as_bytes=byte_level)
+    streams = tokenize_corpus(corpus, tokenizer)
+    training_args = training_arguments(args)
+    train_set, eval_set = finetune_datasets(streams, window, carry, training_args, args.max_eval_tokens)
+    trainer = (MemoryTrainer if carry else LongrangeTrainer)(
         model=model,
         args=training_args,
         train_dataset=train_set,
@@ -188,18 +207,7 @@ def main(argv=None) -> dict[str, float]:
         processing_class=tokenizer,
         compute_metrics=make_compute_metrics() if eval_set is not None else None,
         preprocess_logits_for_metrics=next_token_predictions,
-        card={
-            "dataset": f"fine-tuned on {corpus.name} ({len(streams.ids['train']):,} training tokens, "
-            f"windows of {window})",
-            "training_args": {
-                "base model": args.model,
-                "max_steps": args.max_steps,
-                "learning_rate": args.learning_rate,
-                "batch size": args.per_device_train_batch_size * args.gradient_accumulation_steps,
-                "window": window,
-                "memory carried across batches": carry,
-            },
-        },
+        card=card(args, corpus, streams, window, carry),
     )
     trainer.train()
     metrics = trainer.evaluate() if eval_set is not None else {}

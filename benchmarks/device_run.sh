@@ -7,10 +7,10 @@
 #
 # 1. Here, on a machine with PyPI (the device has none), once: download the wheels the device image lacks
 #    (the reference packages and their needs, transformers at our version, datasets / evaluate for the tests):
-#        scripts/device_run.sh fetch            # -> .whl/ (14 MB; ignored by git through .gitignore)
+#        benchmarks/device_run.sh fetch            # -> .whl/ (14 MB; ignored by git through .gitignore)
 # 2. On the device, through the session's device tool, carrying .whl:
-#        run(command="bash scripts/device_run.sh", carry=[".whl"], timeout_s=600)
-#    or one phase: `bash scripts/device_run.sh bench` (tests, train: likewise).
+#        run(command="bash benchmarks/device_run.sh", carry=[".whl"], timeout_s=600)
+#    or one phase: `bash benchmarks/device_run.sh bench` (tests, train: likewise).
 # Results go to $OUT (bench.json, bench.log, decode.log, tests.log, train.log; they come back) and docs/benchmarks/gpu.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +51,7 @@ status=0
 
 if [ "$phase" = all ] || [ "$phase" = bench ]; then
     # the benchmark stops starting rows after BENCH_BUDGET s and rewrites its JSON after every row
-    timeout $((BENCH_BUDGET + 60)) python3 scripts/benchmark_gpu.py --device cuda --budget "$BENCH_BUDGET" \
+    timeout $((BENCH_BUDGET + 60)) python3 benchmarks/benchmark_gpu.py --device cuda --budget "$BENCH_BUDGET" \
         --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
     [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" docs/benchmarks/gpu.json
 fi
@@ -59,7 +59,7 @@ fi
 if [ "$phase" = all ] || [ "$phase" = decode ]; then
     # issue 10: decoding tokens/s at 512 / 1,024 / 4,096 tokens of context, added to the same JSON ("decoding")
     [ -f "$OUT/bench.json" ] || echo '{}' > "$OUT/bench.json"
-    timeout $((DECODE_BUDGET + 60)) python3 scripts/benchmark_decoding.py --device cuda --budget "$DECODE_BUDGET" \
+    timeout $((DECODE_BUDGET + 60)) python3 benchmarks/benchmark_decoding.py --device cuda --budget "$DECODE_BUDGET" \
         --out "$OUT/bench.json" 2>&1 | tee "$OUT/decode.log" || status=1
     cp "$OUT/bench.json" docs/benchmarks/gpu.json
 fi
@@ -74,13 +74,13 @@ if [ "$phase" = all ] || [ "$phase" = train ]; then
         common=(--max_steps 20 --eval_every 10 --eval_tokens 8192 --num_samples 1 --sample_tokens 16 --num_threads 0)
         # Accelerate's FSDP2 path (one process: the same code as on several GPUs, gathers and all)
         timeout 30 python3 -m accelerate.commands.launch --config_file configs/accelerate/fsdp.yaml \
-            --num_processes 1 scripts/train.py --model sinkhorn "${common[@]}" --output_dir /tmp/run-fsdp-sinkhorn
+            --num_processes 1 -m longrange train --model sinkhorn "${common[@]}" --output_dir /tmp/run-fsdp-sinkhorn
         echo "fsdp sinkhorn rc=$?"
         timeout 30 python3 -m accelerate.commands.launch --config_file configs/accelerate/fsdp.yaml \
-            --num_processes 1 scripts/train.py --model compressive "${common[@]}" --output_dir /tmp/run-fsdp-compressive
+            --num_processes 1 -m longrange train --model compressive "${common[@]}" --output_dir /tmp/run-fsdp-compressive
         echo "fsdp compressive rc=$?"
         # compiled training (inductor)
-        timeout 60 python3 scripts/train.py --model sinkhorn --compile "${common[@]}" --output_dir /tmp/run-compile
+        timeout 60 python3 -m longrange train --model sinkhorn --compile "${common[@]}" --output_dir /tmp/run-compile
         echo "compile sinkhorn rc=$?"
     } 2>&1 | tee "$OUT/train.log"
     grep -q "rc=[1-9]" "$OUT/train.log" && status=1

@@ -1,8 +1,8 @@
 """Decoding speed, batch 1: longrange (eager and compiled) vs the reference packages vs transformers' Llama.
 
-    python scripts/benchmark_decoding.py                                # the issue's sizes, on CUDA when present
-    python scripts/benchmark_decoding.py --quick --device cpu --out /tmp/decoding.json   # tiny smoke run (CI)
-    python scripts/benchmark_decoding.py --rows 'sinkhorn/ours'         # a subset (regular expression on row ids)
+    python benchmarks/benchmark_decoding.py                                # the issue's sizes, on CUDA when present
+    python benchmarks/benchmark_decoding.py --quick --device cpu --out /tmp/decoding.json   # tiny smoke run (CI)
+    python benchmarks/benchmark_decoding.py --rows 'sinkhorn/ours'         # a subset (regular expression on row ids)
 
 Rows (issue 10): hidden 512, 6 layers, 8 heads (the sizes of `benchmark_gpu.py`), a random prompt of 512, 1,024
 and 4,096 tokens, then `--new-tokens` greedy tokens:
@@ -42,8 +42,8 @@ if str(REPO) not in sys.path:
 
 
 def _sibling(name: str):
-    """A script of this folder as a module (loaded once), without putting scripts/ on sys.path (its evaluate.py
-    would shadow the `evaluate` library)."""
+    """A benchmark of this folder as a module (loaded once), by path: also when this file itself was loaded by path,
+    as the tests do."""
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
         module = importlib.util.module_from_spec(spec)

@@ -1,22 +1,22 @@
 #!/usr/bin/env python
 """What the Compressive memory buys, at an equal training budget on long documents (byte level).
 
-    python scripts/benchmark_memory.py                        # the full run: 10 configurations x seeds 0 1
-    python scripts/benchmark_memory.py --configs compressive txl none --seeds 0 1 2
-    python scripts/benchmark_memory.py --hidden 512 --layers 6 --steps 5000 --threads 0   # larger, e.g. on a GPU
-    python scripts/benchmark_memory.py --quick --kjv K.txt --python-dir DIR --output_dir /tmp/m   # smoke run (CI)
-    python scripts/benchmark_memory.py --plot-only docs/benchmarks/memory.json              # redraw, reprint
-    python scripts/benchmark_memory.py --configs txl --update                               # rerun some, keep the rest
+    python benchmarks/benchmark_memory.py                        # the full run: 10 configurations x seeds 0 1
+    python benchmarks/benchmark_memory.py --configs compressive txl none --seeds 0 1 2
+    python benchmarks/benchmark_memory.py --hidden 512 --layers 6 --steps 5000 --threads 0   # larger, e.g. on a GPU
+    python benchmarks/benchmark_memory.py --quick --kjv K.txt --python-dir DIR --output_dir /tmp/m   # smoke run (CI)
+    python benchmarks/benchmark_memory.py --plot-only docs/benchmarks/memory.json              # redraw, reprint
+    python benchmarks/benchmark_memory.py --configs txl --update                               # rerun some, keep the rest
 
 Corpus: the King James Bible (`--kjv`) cut into its 66 books (a book starts at its "<Book> 1" chapter heading)
 and `--python-files` Python standard-library files (`--python-dir`, default this interpreter's; `.py` files of at
 least `--min-doc-bytes` bytes outside test and package folders, sorted by path, that many taken evenly spaced), one
 document each, interleaved by size so both kinds are spread along the stream. The documents are written to
-`<output_dir>/corpus/` and `scripts/train.py` splits them by whole documents (`--validation` of the bytes held out),
+`<output_dir>/corpus/` and `longrange train` splits them by whole documents (`--validation` of the bytes held out),
 byte tokenizer (256 byte ids; its 3 special tokens make the vocabulary 259, the end-of-text id separates
 documents in the training stream).
 
-Training: every run is `scripts/train.py` itself, with the same model size, steps, batch, window, optimizer,
+Training: every run is `longrange train` itself, with the same model size, steps, batch, window, optimizer,
 schedule and data order (equal budget: steps x batch x window tokens). A compressive model streams (Transformer-XL
 training): row b of every step continues lane b of the training stream, and the model carries its memory both
 inside a window (one forward over `window` tokens runs window / segment segments, memories updated after each)
@@ -39,17 +39,17 @@ slots = keys it attends beside its own segment):
 
 Evaluation: `--eval-docs` validation documents of at least `--eval-doc-tokens` bytes (alternating Bible books and
 Python files while both last), their first `--eval-doc-tokens` bytes, each document read from an empty memory
-carried across the whole document (`scripts/evaluate.py`'s `nll_with_cache`). Every token that has at least one
+carried across the whole document (`longrange evaluate`'s `nll_with_cache`). Every token that has at least one
 token of its own segment before it is scored (the first token of each segment is left out everywhere, so that
 "each segment alone" scores the same tokens). Bits per byte = NLL / ln 2 / scored bytes.
-`--eval-mem-lens`: the same, with the memory of evaluation changed through `scripts/evaluate.py`'s `--mem_len` /
+`--eval-mem-lens`: the same, with the memory of evaluation changed through `longrange evaluate`'s `--mem_len` /
 `--c_mem_len` code (`load_model`): mem_len m and c_mem_len scaled as trained (C / M of training, at least 1; txl
 keeps 0); m = 0 means each segment alone. A configuration's own figure is at its trained memory (none: m = 0).
 
 Writes `--json` (command, date, seeds, sizes, per configuration and seed, mean and spread; rewritten after every
 run) and `--plot` (bits per byte against the evaluation memory, one line per configuration, and bars of every
 configuration's own figure with the seed spread). The trained models stay in `<output_dir>/runs/`
-(`scripts/evaluate.py` reads them).
+(`longrange evaluate` reads them).
 
 Runtime (default sizes, `--threads 1`): a training step of 8 x 512 bytes takes about 0.27-0.42 s of CPU (none the
 least, most_used the most), so 300 steps about 2 minutes, and the evaluation sweep about 15 s: about 2-2.5 minutes
@@ -60,7 +60,6 @@ seconds (`train_cpu_seconds`, `eval_cpu_seconds`) beside its wall-clock seconds.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import platform
@@ -77,8 +76,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-# scripts/ holds evaluate.py: it must never shadow the `evaluate` library for anything imported from here
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# from a checkout: the package next to this folder (the user commands are in it: longrange.commands)
 sys.path.insert(0, str(REPO))
 
 DEFAULT_KJV = REPO.parent / "shared" / "data" / "kjv-bible.txt"
@@ -105,14 +103,6 @@ ABLATION = (
     ("most_used", "none"),
 )
 ALL_CONFIGS = (*MAIN, *(f"{f}-{loss}" for f, loss in ABLATION))
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"longrange_script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses in the script look their module up here
-    spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -321,7 +311,7 @@ def evaluate_run(evaluate, model_dir: Path, rows, kinds, info: dict, size: dict,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Training (scripts/train.py)
+# Training (longrange train)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -603,7 +593,7 @@ def main(argv=None) -> dict:
           f"budget per run: {size['steps']} steps x {size['batch']} x {size['window']} = {tokens:,} tokens; "
           f"{len(configs)} configurations x {len(args.seeds)} seeds")  # fmt: skip
     report = {
-        "command": "python scripts/benchmark_memory.py " + shlex.join(argv),
+        "command": "python benchmarks/benchmark_memory.py " + shlex.join(argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "complete": False,
         "versions": {
@@ -644,7 +634,8 @@ def main(argv=None) -> dict:
     }
     if args.update:
         report = updated_record(report, args.json)
-    train, evaluate = load_script("train"), load_script("evaluate")
+    from longrange.commands import evaluate, train
+
     started, total = time.perf_counter(), len(configs) * len(args.seeds)
     done = 0
     for name, info in configs.items():
