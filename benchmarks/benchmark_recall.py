@@ -337,7 +337,7 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
     with torch.no_grad():
         for chunk in split(batch, args.eval_batch):
             ids, at, targets = model_inputs(spec, chunk)
-            probe = spec.kind == "sinkhorn"
+            probe = spec.kind in ("sinkhorn", "masked")
             result = answer_logits(spec, model, ids, at, **({"output_attentions": True} if probe else {}))
             logits, full = result if probe else (result, None)
             correct = logits.argmax(-1) == targets
@@ -408,8 +408,12 @@ def count_picks(out: dict, routing, config, predicting, facts, region):
             hit = (chosen == fact_bucket[..., None]).any(-1)
             hits += int(hit[routed].sum())
             total += int(routed.sum())
-    earlier = (predicting // config.bucket_size).float()[routed]
-    chance = float((config.n_top_buckets / earlier.clamp(min=1)).clamp(max=1).mean()) if routed.any() else None
+    if config.causal:  # the candidates: the earlier buckets
+        candidates = (predicting // config.bucket_size).float()[routed]
+    else:  # every other bucket (SortCut: every bucket, one choice for all)
+        candidates = torch.full((int(routed.sum()),), config.max_buckets - (0 if config.n_sortcut else 1)).float()
+    picks = config.n_sortcut or config.n_top_buckets
+    chance = float((picks / candidates.clamp(min=1)).clamp(max=1).mean()) if routed.any() else None
     cell = out.setdefault("picks", [0, 0, []])
     cell[0] += hits
     cell[1] += total
@@ -596,7 +600,9 @@ def plot(record: dict, path: Path) -> None:
                     means.append(sum(values) / len(values))
                     lows.append(min(values))
                     highs.append(max(values))
-            (line,) = ax.plot(xs, means, marker="o", ms=3, label=f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+            (line,) = ax.plot(
+                xs, means, marker="o", ms=3, label=f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+            )
             ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
         ax.axhline(0.1, color="grey", lw=0.8, ls=":", label="chance")
         ax.set(title=f"{key[0]} family: {key[1]}, {key[2]} tokens", xlabel="distance from fact to answer (tokens)",
