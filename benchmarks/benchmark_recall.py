@@ -467,7 +467,9 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
     gen = torch.Generator().manual_seed(seed)
     task = TASKS[args.task]
     curve, losses, start = [], [], time.perf_counter()
-    probe = Batch(*(t[: args.eval_batch] for t in (eval_batch.ids, eval_batch.answers, eval_batch.facts)))
+    probe = to_device(
+        Batch(*(t[: args.eval_batch] for t in (eval_batch.ids, eval_batch.answers, eval_batch.facts))), args.device
+    )
     bar = tqdm(range(args.steps), desc=f"{family}/{args.task}/{spec.name} seed {seed}", disable=args.no_progress)
     for step in bar:
         batch = to_device(task(gen, args.batch, args.length, args.pairs, curriculum_reach(step, args)), args.device)

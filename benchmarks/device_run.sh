@@ -11,6 +11,11 @@
 # 2. On the device, through the session's device tool, carrying .whl:
 #        run(command="bash benchmarks/device_run.sh", carry=[".whl"], timeout_s=600)
 #    or one phase: `bash benchmarks/device_run.sh bench` (tests, train: likewise).
+# 3. Not in `all` (it needs its own command): `bash benchmarks/device_run.sh recall`, long-range recall at GPU scale
+#    (passkey at RECALL_LENGTH=4096 tokens, buckets of 64, hidden 256 x 4 layers; causal Sinkhorn with and without
+#    the distance curriculum beside transformers' Llama; RECALL_STEPS=1000 each, RECALL_BUDGET=420 s in all):
+#        run(command="bash benchmarks/device_run.sh recall", carry=[".whl"], timeout_s=480)
+#    -> $OUT/recall.json, recall.png, recall.log (merge into docs/benchmarks/recall.json by copying its runs).
 # Results go to $OUT (bench.json, bench.log, decode.log, tests.log, train.log; they come back) and docs/benchmarks/gpu.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +72,15 @@ fi
 if [ "$phase" = all ] || [ "$phase" = tests ]; then
     # the default suite: tests with CUDA variants run them here (they are skipped on CPU-only machines)
     timeout 90 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" || status=1
+fi
+
+if [ "$phase" = recall ]; then
+    recall=(benchmarks/benchmark_recall.py --family sinkhorn --length "${RECALL_LENGTH:-4096}" --bucket 64
+        --hidden 256 --layers 4 --heads 4 --batch 16 --steps "${RECALL_STEPS:-1000}" --eval-sequences 256
+        --seeds 0 --threads 0 --device cuda --no-progress --json "$OUT/recall.json" --plot "$OUT/recall.png")
+    timeout "${RECALL_BUDGET:-420}" bash -c "python3 ${recall[*]} --models llama top2 &&
+        python3 ${recall[*]} --models top2 --curriculum $(( ${RECALL_STEPS:-1000} / 2 ))" 2>&1 | tee "$OUT/recall.log" \
+        || status=1
 fi
 
 if [ "$phase" = all ] || [ "$phase" = train ]; then
