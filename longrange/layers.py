@@ -361,6 +361,9 @@ def put_along(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch
 
 def real_tokens_first(valid: torch.Tensor) -> torch.Tensor:
     """[batch, seq] bool (True = real token) -> [batch, seq] indices that put each row's real tokens first, in
-    their order, then its padding (a stable sort): what both models use so that padding never moves a row's
-    segments or buckets."""
-    return torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+    their order, then its padding: what both models use so that padding never moves a row's segments or buckets.
+    A stable sort of the padding flags, written as a sort of keys without ties (flag * seq + position), which any
+    sort orders the same way: torch.onnx exports no stable sort."""
+    seq = valid.shape[1]
+    key = (~valid).long() * seq + torch.arange(seq, device=valid.device)  # [batch, seq], distinct in each row
+    return key.argsort(dim=1)

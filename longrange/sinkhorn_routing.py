@@ -37,6 +37,21 @@ def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch
     return sums, m.sum(2)
 
 
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., c] scores -> [..., k] indices of the k largest, best first, ties to the lowest index: a stable
+    descending sort's first k, written with operators that torch.onnx exports (it has no stable sort). An unstable
+    sort groups equal scores; each score's group rank and its index make a key without ties, of which `topk` finds
+    the k smallest (the same whatever order a sort leaves ties in)."""
+    c = scores.shape[-1]
+    order = scores.argsort(dim=-1, descending=True)  # [..., c]: equal scores next to each other, in any order
+    ranked = scores.gather(-1, order)
+    first = torch.ones_like(ranked[..., :1], dtype=torch.bool)
+    new_group = torch.cat([first, ranked[..., 1:] != ranked[..., :-1]], dim=-1)  # [..., c]: a score unlike the last
+    rank = torch.empty_like(order).scatter_(-1, order, new_group.long().cumsum(-1))  # equal scores, equal rank
+    key = rank * c + torch.arange(c, device=scores.device)
+    return key.topk(k, dim=-1, largest=False).indices
+
+
 def select_buckets(
     scores: torch.Tensor,
     valid: torch.Tensor,
@@ -61,7 +76,7 @@ def select_buckets(
     logits = scores.masked_fill(~valid, NEG)
     if sinkhorn_iter is None:
         # ties (e.g. null buckets scored alike) go to the lowest index, the same in the full and the cached pass
-        idx = logits.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
+        idx = top_indices(logits, n_select)
         log_weights = (logits / temperature).log_softmax(dim=-1)
     else:
         if gumbel:
@@ -72,7 +87,7 @@ def select_buckets(
             log_weights = (log_weights - log_weights.logsumexp(-1, keepdim=True)).masked_fill(~valid, NEG)
             log_weights = (log_weights - log_weights.logsumexp(-2, keepdim=True)).masked_fill(~valid, NEG)
         # (ties to the lowest index, as above: balancing can tie candidates exactly, e.g. two of equal column mass)
-        idx = log_weights.sort(dim=-1, descending=True, stable=True).indices[..., :n_select]
+        idx = top_indices(log_weights, n_select)
     picked_valid = valid.gather(-1, idx)
     if sequential:
         picked = _sequential_log_weights(logits / temperature, idx)
