@@ -38,18 +38,19 @@ def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[..., c] scores -> [..., k] indices of the k largest, best first, ties to the lowest index: a stable
-    descending sort's first k, written with operators that torch.onnx exports (it has no stable sort). An unstable
-    sort groups equal scores; each score's group rank and its index make a key without ties, of which `topk` finds
-    the k smallest (the same whatever order a sort leaves ties in)."""
-    c = scores.shape[-1]
-    order = scores.argsort(dim=-1, descending=True)  # [..., c]: equal scores next to each other, in any order
-    ranked = scores.gather(-1, order)
-    first = torch.ones_like(ranked[..., :1], dtype=torch.bool)
-    new_group = torch.cat([first, ranked[..., 1:] != ranked[..., :-1]], dim=-1)  # [..., c]: a score unlike the last
-    rank = torch.empty_like(order).scatter_(-1, order, new_group.long().cumsum(-1))  # equal scores, equal rank
-    key = rank * c + torch.arange(c, device=scores.device)
-    return key.topk(k, dim=-1, largest=False).indices
+    """[..., c] scores -> [..., k] indices of the k largest, best first, ties to the lowest index: the first k of a
+    stable descending sort, with operators that torch.onnx exports (it has no stable sort). k rounds, each taking the
+    lowest index holding the largest score not taken yet (also when that is -inf): k passes over the candidates,
+    faster than a sort for the few buckets a query chooses."""
+    taken = torch.zeros_like(scores, dtype=torch.bool)
+    picks = []
+    for _ in range(k):
+        left = scores.masked_fill(taken, float("-inf"))
+        best = (left == left.amax(dim=-1, keepdim=True)) & ~taken  # [..., c]: the largest left, maybe tied
+        pick = best.to(torch.int32).argmax(dim=-1, keepdim=True)  # the first of them
+        picks.append(pick)
+        taken = taken.scatter(-1, pick, True)
+    return torch.cat(picks, dim=-1)
 
 
 def select_buckets(
