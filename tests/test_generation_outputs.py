@@ -61,17 +61,41 @@ def test_generation_continues_from_an_earlier_calls_cache(name, embeds):
 
 @needs_current_assisted_decoding
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("output_attentions", [False, True])
-def test_assisted_decoding_gives_the_greedy_tokens(name, output_attentions):
-    # a draft model with other weights: most of its tokens are rejected, so the cache is cropped again and again
+@pytest.mark.parametrize("outputs", ["", "attentions", "hidden_states", "attentions+hidden_states"])
+def test_assisted_decoding_gives_the_greedy_tokens(name, outputs):
+    # a draft model with other weights: most of its tokens are rejected, so the cache is cropped again and again;
+    # the target model scores several candidate tokens per forward, on top of its filled cache
     model, draft, ids = MODELS[name](0), MODELS[name](1), prompt(batch=1)
-    plain = model.generate(ids, **{**GREEDY, "max_new_tokens": 12})
-    out = model.generate(
-        ids, assistant_model=draft, output_attentions=output_attentions, return_dict_in_generate=True,
-        **{**GREEDY, "max_new_tokens": 12},
-    )  # fmt: skip
-    assert torch.equal(out.sequences, plain)
-    assert (out.attentions is not None) == output_attentions
+    asked = dict(output_attentions="attentions" in outputs, output_hidden_states="hidden_states" in outputs)
+    settings = dict(return_dict_in_generate=True, **asked, **{**GREEDY, "max_new_tokens": 12})
+    plain = model.generate(ids, **settings)
+    out = model.generate(ids, assistant_model=draft, **settings)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert (out.attentions is not None) == asked["output_attentions"]
+    assert (out.hidden_states is not None) == asked["output_hidden_states"]
+    if asked["output_hidden_states"]:  # one entry per new token, each layer's states of the tokens it scored
+        assert len(out.hidden_states) == len(plain.hidden_states) == 12
+        for got, expected in zip(out.hidden_states, plain.hidden_states):
+            for layer_got, layer_expected in zip(got, expected, strict=True):
+                torch.testing.assert_close(layer_got, layer_expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_several_tokens_on_a_filled_cache_return_every_tokens_hidden_states(name):
+    # what assisted decoding asks: several new tokens in one forward on top of a filled cache
+    model, ids = MODELS[name](), prompt()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding in the prefill
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        cache = getattr(model(ids[:, :3], attention_mask=mask[:, :3], use_cache=True), CACHE_NAME)
+        cached = model(ids[:, 3:], attention_mask=mask, **{CACHE_NAME: cache}, output_hidden_states=True)
+    assert cached.hidden_states is not None
+    assert len(cached.hidden_states) == len(full.hidden_states) == model.config.num_hidden_layers + 1
+    real = mask[:, 3:, None].bool()
+    for got, expected in zip(cached.hidden_states, full.hidden_states):
+        torch.testing.assert_close(got * real, expected[:, 3:] * real, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached.logits, full.logits[:, 3:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", MODELS)
