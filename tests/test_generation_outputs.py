@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
+from longrange import (
+    CompressiveConfig,
+    CompressiveForCausalLM,
+    CompressiveMemoryCache,
+    SinkhornConfig,
+    SinkhornForCausalLM,
+)
 from longrange.compat import CACHE_NAME
 from tests.dispatch_utils import needs_current_assisted_decoding
 
@@ -145,3 +151,70 @@ def test_sinkhorn_step_attentions_need_the_prefill_to_ask_for_them():
         cache = model(ids, use_cache=True).cache
         with pytest.raises(ValueError, match="needs the forward that filled it to ask for output_attentions too"):
             model(ids[:, :1], cache=cache, output_attentions=True)
+
+
+# ---- padding positions: transformers' GenerationTesterMixin pads at random (a mask may end with padding) -------
+
+
+def llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def padded_prompt():
+    """Two rows with padding at the start, in the middle and at the end (the last prompt token is padding, so
+    generation's first token is read at a padding position)."""
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[0, 2:4] = 0
+    mask[1, 0] = 0
+    mask[:, -1] = 0
+    return prompt(), mask
+
+
+@pytest.mark.parametrize("name", ["llama", "compressive"])
+def test_outputs_at_padding_positions_do_not_depend_on_later_tokens_or_the_cache(name):
+    # Llama is the reference: a padding position's logits follow from the tokens before it only
+    model = llama() if name == "llama" else compressive()
+    ids, mask = padded_prompt()
+    later = torch.randint(1, VOCAB, (2, 3), generator=torch.Generator().manual_seed(2))
+    longer, longer_mask = torch.cat([ids, later], 1), torch.cat([mask, torch.ones_like(later)], 1)
+    with torch.no_grad():
+        alone = model(ids, attention_mask=mask, use_cache=False).logits
+        calls = [model(longer, attention_mask=longer_mask, use_cache=False).logits[:, :PROMPT]]
+        if name == "compressive":  # the cached forms: kept cache; a croppable one (its last tokens run as steps)
+            calls.append(model(longer, attention_mask=longer_mask, use_cache=True).logits[:, :PROMPT])
+            croppable = CompressiveMemoryCache(model.config.num_hidden_layers, crop_margin=4)
+            calls.append(model(longer, attention_mask=longer_mask, cache=croppable).logits[:, :PROMPT])
+    for logits in calls:
+        torch.testing.assert_close(logits, alone, atol=1e-5, rtol=1e-5)
+
+
+@needs_current_assisted_decoding
+def test_compressive_assisted_decoding_equals_greedy_when_the_prompt_ends_with_padding():
+    # transformers' test_assisted_decoding_matches_greedy_search with a random assistant: eager attention, norms
+    # with eps 1.0, a random mask, repetition penalty and bad words, every output asked for
+    model, draft = compressive(0), compressive(1)
+    for module in [*model.modules(), *draft.modules()]:
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = 1.0
+    for m in (model, draft):
+        m.set_attn_implementation("eager")
+    draft.generation_config.num_assistant_tokens = 2
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    ids, mask = padded_prompt()
+    settings = dict(
+        attention_mask=mask[:1], eos_token_id=-1, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+        output_scores=True, output_logits=True, output_hidden_states=True, output_attentions=True,
+        repetition_penalty=1.2, bad_words_ids=[[1, 0]], remove_invalid_values=True,
+    )  # fmt: skip
+    greedy = model.generate(ids[:1], **settings)
+    assisted = model.generate(ids[:1], assistant_model=draft, **settings)
+    assert torch.equal(assisted.sequences, greedy.sequences)
+    for got, expected in zip(assisted.scores, greedy.scores, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
