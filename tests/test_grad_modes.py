@@ -8,6 +8,7 @@ logits are bit-identical in both modes, and the test holds it to the same check.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -90,3 +91,24 @@ def test_logits_do_not_depend_on_gradient_recording(name, precision, training):
             torch.testing.assert_close(without, with_grad, rtol=0, atol=1e-6)
         else:
             assert torch.equal(without, with_grad), (mode, (without - with_grad).abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["llama", "compressive", "sinkhorn-factorised"])
+def test_dpo_loss_at_step_0_is_ln_2_under_bf16_autocast(name):
+    # TRL's DPO: the policy's log-probabilities (with gradient) against the reference's (the same weights, no_grad),
+    # both through TRL's fused LM head; equal, so the loss -log sigmoid(beta * 0) is ln 2
+    fused = pytest.importorskip("trl.trainer.utils")
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    fused.add_fused_lm_head(model)
+    chosen, rejected = torch.randint(0, VOCAB, (2, 2, 30)).unbind(0)
+
+    def log_probs(ids, grad):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", torch.bfloat16):
+            return model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.float().sum(-1)
+
+    margin = (log_probs(chosen, True) - log_probs(chosen, False)) - (
+        log_probs(rejected, True) - log_probs(rejected, False)
+    )
+    loss = -torch.nn.functional.logsigmoid(0.1 * margin).mean()
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-7)

@@ -123,3 +123,18 @@ def test_folders_and_state_dicts_of_the_old_layout_load_with_the_same_logits(opt
     with torch.no_grad():
         assert torch.equal(loaded.eval()(ids).logits, expected)
         assert torch.equal(fresh.eval()(ids).logits, expected)
+
+
+@pytest.mark.parametrize("name", ["opt", "sinkhorn-causal-2", "compressive"])
+def test_trl_fused_log_probabilities_equal_the_log_softmax_of_the_logits(name):
+    # TRL's DPO scores tokens through its fused LM head: the base model's last hidden state, then the output layer
+    fused = pytest.importorskip("trl.trainer.utils")
+    torch.manual_seed(3)
+    model = MODELS[name]().eval()
+    ids = torch.randint(0, VOCAB, (2, 21))
+    with torch.no_grad():
+        logits = model(ids).logits
+        fused.add_fused_lm_head(model)
+        log_probs = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+    expected = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # each next token's
+    torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=1e-5)
