@@ -622,7 +622,7 @@ class SinkhornCache(Cache):
 
     def record_inputs(self, embeds, positions, context=None, context_mask=None) -> None:
         """Keeps the given tokens' embeddings and positions (and, first, the context) for attention maps of
-        later cached steps (`SinkhornModel._step_with_attentions`)."""
+        later cached steps (`sinkhorn_steps.step_with_attentions`)."""
         embeds = embeds.detach()
         if self.recorded is not None:  # (the context is recorded once, first)
             old_embeds, old_positions, context, context_mask = self.recorded
@@ -632,7 +632,7 @@ class SinkhornCache(Cache):
     def record_step_inputs(self, embeds, positions, mask):
         """Records a cached step's inputs (embeddings [b, n, e], position ids and padding mask [b, n]) -> those of
         every token given so far, for a forward without the cache that gives the step's attention maps
-        (`SinkhornModel._step_with_attentions`): (embeddings, position ids, mask, context, context mask)."""
+        (`sinkhorn_steps.step_with_attentions`): (embeddings, position ids, mask, context, context mask)."""
         if self.recorded is None:
             raise ValueError(
                 "SinkhornModel: output_attentions on tokens fed on top of a filled cache needs the forward that "

@@ -248,11 +248,11 @@ class _StateDictConversion:
         if config.emb_dim is not None:
             for part in ("weight", "bias"):
                 out[f"model.project_in.{part}"] = take(f"sinkhorn_transformer.project_in.{part}")
-                out[f"project_out.{part}"] = take(f"sinkhorn_transformer.project_out.{part}")
+                out[f"model.project_out.{part}"] = take(f"sinkhorn_transformer.project_out.{part}")
             if self.reversible:
                 # the reference's reversible stack returns the sum of its two streams, ours their mean
-                out["project_out.weight"] = 2 * out["project_out.weight"]
-            norm = "norm_out"  # the reference normalises after the projection back (norm_after_project_out)
+                out["model.project_out.weight"] = 2 * out["model.project_out.weight"]
+            norm = "model.norm_out"  # the reference normalises after the projection back (norm_after_project_out)
         for part in ("weight", "bias"):
             out[f"{norm}.{part}"] = take(f"norm.{part}")
             out[f"lm_head.{part}"] = take(f"to_logits.{part}")

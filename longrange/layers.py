@@ -194,6 +194,9 @@ class _BlockwiseAttention(torch.autograd.Function):
         out = query.new_empty(query.shape[0], q_len, value.shape[-1])
         probs, keeps = [], []
         neg = torch.finfo(query.dtype).min
+        # a query that sees no key at all (padding) attends to nothing: its output row is zeroed at the end, and its
+        # gradient in backward (cheaper than zeroing its weights, a pass over every block's [N, rows, keys])
+        visible = mask.any(dim=-1).expand(batch, heads, q_len).reshape(n_rows, q_len, 1).to(query.dtype)
         for start in range(0, q_len, block_rows):
             end = min(q_len, start + block_rows)
             keys_seen = k_len - q_len + end if causal else k_len  # later keys are in every row's future
@@ -206,9 +209,6 @@ class _BlockwiseAttention(torch.autograd.Function):
             scores = scores.view(batch, heads, end - start, keys_seen).masked_fill_(blocked, neg)
             weights = torch.softmax(scores, dim=-1)
             del scores
-            # a row that sees no key at all attends to nothing: zeros (never NaN or a uniform average); filled
-            # unconditionally, as asking whether any row is empty would wait for the device
-            weights.masked_fill_(blocked.all(dim=-1, keepdim=True), 0.0)
             weights = weights.view(n_rows, end - start, keys_seen)
             used = weights
             if dropout > 0:
@@ -217,7 +217,8 @@ class _BlockwiseAttention(torch.autograd.Function):
                 keeps.append(keep)
             torch.bmm(used, value[:, :keys_seen], out=out[:, start:end])
             probs.append(weights)
-        ctx.save_for_backward(query, key, value, position_query, relative_ext, out)
+        out.mul_(visible)  # (never NaN or a uniform average: finite scores, a uniform softmax, zeroed here)
+        ctx.save_for_backward(query, key, value, position_query, relative_ext, out, visible)
         ctx.probs, ctx.keeps = probs, keeps
         ctx.options = (heads, dropout, causal, block_rows, relative is not None)
         return out
@@ -231,10 +232,10 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, saved, grad_out):
-        query, key, value, position_query, relative_ext, out = saved
+        query, key, value, position_query, relative_ext, out, visible = saved
         heads, dropout, causal, block_rows, has_relative = ctx.options
         n_rows, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out * visible  # rows that see no key: zero output, no gradient
         row_dots = torch.linalg.vecdot(grad_out, out)[..., None]  # [N, q, 1]
         grad_query = torch.empty_like(query)
         grad_position = torch.empty_like(position_query[:, :q_len]) if has_relative else None
@@ -383,9 +384,12 @@ def put_along(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch
 
 def real_tokens_first(valid: torch.Tensor) -> torch.Tensor:
     """[batch, seq] bool (True = real token) -> [batch, seq] indices that put each row's real tokens first, in
-    their order, then its padding (a stable sort): what both models use so that padding never moves a row's
-    segments or buckets."""
-    return torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+    their order, then its padding: what both models use so that padding never moves a row's segments or buckets.
+    A stable sort of the padding flags, written as a sort of keys without ties (flag * seq + position), which any
+    sort orders the same way: torch.onnx exports no stable sort."""
+    seq = valid.shape[1]
+    key = (~valid).long() * seq + torch.arange(seq, device=valid.device)  # [batch, seq], distinct in each row
+    return key.argsort(dim=1)
 
 
 def permute_tokens(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

@@ -20,6 +20,7 @@ parse as finite numbers cannot be told from trained weights (safetensors keeps n
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -108,10 +109,14 @@ def check_loaded(model, info: dict, source, hint: str = "") -> None:
 
 
 def checked_from_pretrained(load, cls, *args, **kwargs):
-    """`load(*args, **kwargs)` (transformers' `from_pretrained`) with the checks of this module's docstring."""
+    """`load(*args, **kwargs)` (transformers' `from_pretrained`) with the checks of this module's docstring; weights
+    saved under the names in the class's `_moved_keys` ({old prefix: new prefix}) load under their new names."""
     source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     want_info = kwargs.pop("output_loading_info", False)
     subfolder = kwargs.get("subfolder") or ""
+    moved = getattr(cls, "_moved_keys", None)
+    if moved:  # weights saved under names that have moved since
+        kwargs["key_mapping"] = moved_keys(moved, kwargs.get("key_mapping"))
     try:
         model, info = load(*args, output_loading_info=True, **kwargs)
     except SafetensorError as err:
@@ -131,4 +136,22 @@ def checked_from_pretrained(load, cls, *args, **kwargs):
     return (model, info) if want_info else model
 
 
-__all__ = ["check_loaded", "checked_from_pretrained"]
+def moved_keys(moved: dict[str, str], given: dict[str, str] | None = None) -> dict[str, str]:
+    """from_pretrained's `key_mapping` (regular expressions) for weights whose names moved: {old prefix: new prefix}
+    of the model's state dict, matched at the start of a name; the caller's own `given` mapping comes first."""
+    mapping = dict(given or {})
+    for old, new in moved.items():
+        mapping.setdefault("^" + re.escape(old), new)
+    return mapping
+
+
+def rename_moved_keys(state_dict: dict, prefix: str, moved: dict[str, str]) -> None:
+    """The same renaming for `load_state_dict` (a module's `_load_from_state_dict` hook, `prefix` its place in the
+    state dict): in place, a weight under an old name is moved to its new name unless that name is present."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        for old, new in moved.items():
+            if key.startswith(prefix + old) and prefix + new + key[len(prefix + old) :] not in state_dict:
+                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
+
+
+__all__ = ["check_loaded", "checked_from_pretrained", "moved_keys", "rename_moved_keys"]

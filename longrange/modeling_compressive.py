@@ -89,22 +89,23 @@ class CompressiveAttention(nn.Module):
         self.content_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))  # u
         self.position_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))  # v
 
-    def kernel(self, device: torch.device, need_weights: bool = False) -> str:
+    def kernel(self, device: torch.device, need_weights: bool = False, static: bool = False) -> str:
         """The one place the attention kernel is chosen (from `config._attn_implementation`).
 
-        "eager" is the explicit softmax(QK^T + bias) V. "blockwise" is the CPU training kernel of `layers.py`
-        (row blocks, hand-written backward; inference uses sdpa). "sdpa", the default, is the fastest exact kernel of
-        the device: torch's `scaled_dot_product_attention` with the position term as an additive bias that receives
-        its gradient (fused kernels on GPUs, no loop, and what a compiled graph holds), except for eager training on
-        the CPU, where the blockwise kernel is faster (1.4x the reference instead of 1.0x, docs/benchmarks)."""
-        if need_weights:
+        "eager" is the explicit softmax(QK^T + bias) V. "blockwise" is the CPU kernel of `layers.py` (row blocks,
+        hand-written backward). "sdpa", the default, is the fastest exact kernel of the device: torch's
+        `scaled_dot_product_attention` with the position term as an additive bias that receives its gradient (fused
+        kernels on GPUs, no loop, and what a compiled graph holds), except for eager calls on the CPU, where the
+        blockwise kernel trains faster (1.4x the reference instead of 1.0x, docs/benchmarks) and infers as fast.
+        The choice never depends on whether gradients are recorded: a forward with and one without gradient give
+        the same logits (TRL's DPO compares the two). `static`: a decoding step over the static cache's slots
+        (keys in any order), which only `attend` reads."""
+        if need_weights or self.implementation == "eager":
             return "eager"
-        if not torch.is_grad_enabled():
-            return "eager" if self.implementation == "eager" else "sdpa"
-        if self.implementation == "sdpa" and device.type == "cpu" and not torch.compiler.is_compiling():
-            return "blockwise"
-        if self.implementation == "blockwise" and torch.compiler.is_compiling():
+        if static or torch.compiler.is_compiling():
             return "sdpa"  # the blockwise kernel is a Python loop over row blocks: compiled graphs fuse sdpa instead
+        if self.implementation == "sdpa" and device.type == "cpu":
+            return "blockwise"
         return self.implementation
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +137,7 @@ class CompressiveAttention(nn.Module):
         instead of the compact layout's shift."""
         batch, q_len, hidden = query_input.shape
         query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
-        kernel = self.kernel(query_input.device, need_weights)
+        kernel = self.kernel(query_input.device, need_weights, static=key_columns is not None)
         if kernel == "blockwise":
             out = blockwise_attention(
                 query + self.content_bias[:, None],

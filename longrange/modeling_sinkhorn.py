@@ -4,7 +4,8 @@ Reading order: this file holds the outputs, the PreTrainedModel, SinkhornModel (
 language models. Its pieces live below it: `sinkhorn_layer.py` (the layer and its pre-norm blocks),
 `sinkhorn_attention.py` (self / cross attention built from head groups), `sinkhorn_heads.py` (the head groups:
 local, Sinkhorn, causal Sinkhorn), `sinkhorn_routing.py` (the sort net's routing math), `reversible.py` (the
-two-stream stack) and `cache_sinkhorn.py` (the generation cache, `SinkhornCache`).
+two-stream stack), `cache_sinkhorn.py` (the generation cache, `SinkhornCache`) and `sinkhorn_steps.py` (new tokens
+on a filled cache outside the one-token step).
 
 The sequence is cut into buckets of `bucket_size`. A sort net scores every (query bucket, key bucket) pair from
 bucket summaries; each query bucket attends its own bucket plus the `n_top_buckets` best key buckets in ONE
@@ -46,7 +47,7 @@ from .configuration_checks import warn_near_misses  # noqa: F401  (see the note 
 from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
 from .layers import ATTENTION_IMPLEMENTATIONS, permute_map, permute_tokens, real_tokens_first
-from .loading import checked_from_pretrained
+from .loading import checked_from_pretrained, rename_moved_keys
 from .packing import call_layout, pop_document_kwargs
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
@@ -54,6 +55,8 @@ from .sinkhorn_attention import attention_implementation, unsupported_attention
 from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads
 from .sinkhorn_layer import AxialPositionEmbedding, SinkhornLayer, build_layers, tied_norm_sources
 from .sinkhorn_routing import bucket_sums  # noqa: F401  (see the note above)
+from .sinkhorn_steps import position_ids as position_ids_of
+from .sinkhorn_steps import step_with_attentions, tokens_one_at_a_time
 
 # ----------------------------------------------------------------------------------------------------------------
 # models
@@ -260,12 +263,12 @@ class SinkhornModel(SinkhornPreTrainedModel):
         self.layers, self.pkm_blocks, shared = build_layers(config)
         if shared:  # weight_tie: modules shared across layers are FSDP units of their own (see build_layers)
             self._no_split_modules = [*self._no_split_modules, *shared]
-        # norm_after_project_out: the language model normalises after its projection back to emb_dim instead
-        self.norm = (
-            nn.Identity()
-            if config.norm_after_project_out
-            else nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        )
+        # the final norm, then with factorised embeddings the projection back to emb_dim (as OPT's project_out), so
+        # that last_hidden_state is what the output embedding reads; norm_after_project_out normalises after it
+        after = config.norm_after_project_out
+        self.norm = nn.Identity() if after else nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.project_out = nn.Linear(config.hidden_size, emb) if emb != config.hidden_size else None
+        self.norm_out = nn.LayerNorm(emb, eps=config.layer_norm_eps) if after else None
         # the reversible stack only references the blocks above (kept out of the module tree, so parameter names are
         # the same with and without `reversible`)
         self._reversible = (ReversibleSequence(self._stack_blocks()),) if config.reversible else None
@@ -327,17 +330,16 @@ class SinkhornModel(SinkhornPreTrainedModel):
         _check_context(config, encoder_hidden_states, cache)
         stepping = cache is not None and cache.prefilled
         attention_mask = _check_length_and_mask(config, attention_mask, batch, length, cache if stepping else None)
-        if stepping and output_attentions:  # the slow explicit path, only when asked
-            return self._step_with_attentions(
-                input_ids, inputs_embeds, attention_mask, position_ids, cache, output_hidden_states
-            )
-        if stepping and length > 1:  # several new tokens on a filled cache: one at a time (exact, generation only)
-            return self._step_one_at_a_time(input_ids, inputs_embeds, attention_mask, position_ids, cache)
+        if stepping and (output_attentions or length > 1):
+            # sinkhorn_steps.py: attention maps (slow, only when asked) or several new tokens one at a time (exact)
+            step = step_with_attentions if output_attentions else tokens_one_at_a_time
+            args = (input_ids, inputs_embeds, attention_mask, position_ids, cache, output_hidden_states)
+            return SinkhornModelOutput(**step(self, *args))
 
         given = input_ids if input_ids is not None else inputs_embeds[..., 0]  # [b, L]
         mask = attention_mask if attention_mask is not None else torch.ones_like(given, dtype=torch.bool)
         if position_ids is None:  # positions count real tokens only
-            position_ids = _position_ids(mask, cache.lengths[:, None] if stepping else 0)  # [b, L]
+            position_ids = position_ids_of(mask, cache.lengths[:, None] if stepping else 0)  # [b, L]
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [b, L, emb]
         if output_attentions and cache is not None:  # what later cached steps need for their attention maps
@@ -351,7 +353,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
         looks = [{} if output_attentions else None for _ in range(config.num_hidden_layers)]
         shared = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
         hidden, all_hidden = self._run_layers(hidden, shared, cache, looks, length, back, output_hidden_states)
-        hidden = self.norm(permute_tokens(hidden[:, :length], back))  # [b, L, hidden] in the given order
+        hidden = self._final(permute_tokens(hidden[:, :length], back))  # [b, L, emb] in the given order
 
         if stepping:
             cache.end_step(mask[:, 0])
@@ -368,6 +370,11 @@ class SinkhornModel(SinkhornPreTrainedModel):
         positions = position_ids.clamp_max(self.config.max_position_embeddings - 1)
         hidden = self.emb_dropout(inputs_embeds + self.embed_positions(positions))  # [b, L, emb]
         return self.project_in(hidden) if self.project_in is not None else hidden
+
+    def _final(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layers' output [b, L, hidden] -> last_hidden_state [b, L, emb] (norm, projection: see __init__)."""
+        hidden = self.norm(hidden) if self.project_out is None else self.project_out(self.norm(hidden))
+        return self.norm_out(hidden) if self.norm_out is not None else hidden
 
     def _enter_buckets(self, hidden, mask, padding_given: bool, cache, stepping: bool):
         """The layers' token layout -> hidden [b, L', e], its mask [b, L'] and the order that gives the tokens back
@@ -429,64 +436,6 @@ class SinkhornModel(SinkhornPreTrainedModel):
             if output_hidden_states:
                 all_hidden = all_hidden + (given_order(hidden),)
         return hidden, all_hidden
-
-    # -- tokens on a filled cache, outside the one-token step ---------------------------------------------------------
-
-    def _step_one_at_a_time(self, input_ids, inputs_embeds, attention_mask, position_ids, cache):
-        """Several new tokens on top of a filled cache: fed one at a time (exact; generation-only path)."""
-
-        def column(t, i):
-            return t[:, i : i + 1] if t is not None else None
-
-        outputs = []
-        for i in range((input_ids if input_ids is not None else inputs_embeds).shape[1]):
-            out = self.forward(
-                input_ids=column(input_ids, i),
-                inputs_embeds=column(inputs_embeds, i),
-                attention_mask=column(attention_mask, i),
-                position_ids=column(position_ids, i),
-                cache=cache,
-                use_cache=True,
-                return_dict=True,
-            )
-            outputs.append(out.last_hidden_state)
-        return SinkhornModelOutput(last_hidden_state=torch.cat(outputs, dim=1), cache=cache)
-
-    def _step_with_attentions(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, hidden_states):
-        """Tokens on top of a filled cache with output_attentions: the cached step gives the outputs, and the new
-        tokens' attention rows [batch, heads, new, all tokens so far] come from a forward over every token given so
-        far without the cache (the cache records their embeddings and positions while maps are asked for; cached
-        and uncached forwards give the same numbers). Slow, and only when asked."""
-        embeds = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        mask = (
-            attention_mask
-            if attention_mask is not None
-            else torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
-        )
-        if position_ids is None:  # as the step computes them
-            position_ids = _position_ids(mask, cache.lengths[:, None])
-        all_embeds, all_positions, full_mask, context, context_mask = cache.record_step_inputs(
-            embeds, position_ids, mask
-        )
-        full = self.forward(
-            inputs_embeds=all_embeds, attention_mask=full_mask, position_ids=all_positions,
-            encoder_hidden_states=context, encoder_attention_mask=context_mask, use_cache=False,
-            output_attentions=True,
-        )  # fmt: skip
-        step = self.forward(
-            inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            use_cache=True, output_hidden_states=hidden_states, output_attentions=False,
-        )  # fmt: skip
-        length = embeds.shape[1]
-        return SinkhornModelOutput(
-            last_hidden_state=step.last_hidden_state,
-            cache=cache,
-            hidden_states=step.hidden_states,
-            attentions=tuple(a[:, :, -length:] for a in full.attentions),
-            cross_attentions=None
-            if full.cross_attentions is None
-            else tuple(a[:, :, -length:] for a in full.cross_attentions),
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -566,12 +515,6 @@ def _pad_context(context: torch.Tensor, context_mask: torch.Tensor | None, bucke
     return F.pad(context, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False)
 
 
-def _position_ids(mask: torch.Tensor, before) -> torch.Tensor:
-    """Position ids [b, L] of new tokens that count real tokens only: `before` (0, or [b, 1] real tokens cached)
-    plus the real tokens up to each one (padding takes its neighbour's, clamped at 0)."""
-    return (before + mask.long().cumsum(1) - 1).clamp_min(0)
-
-
 def _attention_outputs(looks: list[dict], back, length: int, context_length: int | None) -> dict:
     """The layers' attention dicts -> the output's attentions, cross_attentions (None without a context) and
     routing: maps in the order of the given tokens; routing in each row's bucket grid of its real tokens."""
@@ -598,11 +541,13 @@ def _attention_outputs(looks: list[dict], back, length: int, context_length: int
 
 
 class _SinkhornLanguageModel(SinkhornPreTrainedModel):
-    """The base model plus the language-model head shared by the causal and the masked LM: with factorised
-    embeddings (`emb_dim`) the hidden states are projected back to `emb_dim` before the (optionally tied) output
-    layer."""
+    """The base model plus the language-model head shared by the causal and the masked LM: the (optionally tied)
+    output layer reads the base model's last_hidden_state (with factorised embeddings already projected back to
+    `emb_dim` by the base model), so `get_output_embeddings()(model.model(ids).last_hidden_state)` are the logits."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # folders saved before the base model held the projection back (this class did): their names, renamed on load
+    _moved_keys = {"project_out.": "model.project_out.", "norm_out.": "model.norm_out."}
     _needs_causal: bool
 
     def __init__(self, config: SinkhornConfig):
@@ -613,10 +558,7 @@ class _SinkhornLanguageModel(SinkhornPreTrainedModel):
                 f"{type(self).__name__} needs causal={self._needs_causal} (use {other} for causal={config.causal})"
             )
         self.model = SinkhornModel(config)
-        emb = config.embedding_size
-        self.project_out = nn.Linear(config.hidden_size, emb) if emb != config.hidden_size else None
-        self.norm_out = nn.LayerNorm(emb, eps=config.layer_norm_eps) if config.norm_after_project_out else None
-        self.lm_head = nn.Linear(emb, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = nn.Linear(config.embedding_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def get_output_embeddings(self):
@@ -625,12 +567,9 @@ class _SinkhornLanguageModel(SinkhornPreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.project_out is not None:
-            hidden = self.project_out(hidden)
-        if self.norm_out is not None:
-            hidden = self.norm_out(hidden)
-        return self.lm_head(hidden)  # [batch, seq, vocab]
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        rename_moved_keys(state_dict, prefix, self._moved_keys)  # load_state_dict (from_pretrained: loading.py)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
@@ -718,7 +657,7 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
         hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        logits = self._logits(hidden)
+        logits = self.lm_head(hidden)  # [batch, seq, vocab]
         loss = None
         if check_lm_labels(labels, shift_labels, logits.shape[:2], self.config.vocab_size):
             loss = self.loss_function(logits, labels, self.config.vocab_size, shift_labels=shift_labels, **kwargs)
@@ -763,7 +702,7 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
             return_dict=True,
             **pop_document_kwargs(kwargs),
         )
-        logits = self._logits(outputs.last_hidden_state)
+        logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
             check_labels(labels, logits.shape[:2], self.config.vocab_size)

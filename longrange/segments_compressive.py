@@ -65,6 +65,17 @@ class LayerRun:
         attentions = None if self.attentions is None else [unroll(a, 2) for a in self.attentions]
         return LayerRun(unroll(self.outputs, 1), hidden, attentions, self.losses)
 
+    def without_padding(self, valid: torch.Tensor) -> LayerRun:
+        """Zero results at padding positions (valid [batch, seq] False), whichever path ran them: run as trailing
+        tokens after the real ones, a padding token's result would depend on the call's later real tokens (assisted
+        decoding's candidates), left out it is zero, stepped it reads the cache: three answers to one question."""
+        kept = valid[..., None]  # [batch, seq, 1]
+        hidden = None if self.hidden is None else [h.masked_fill(~kept, 0.0) for h in self.hidden]
+        attentions = None
+        if self.attentions is not None:
+            attentions = [a.masked_fill(~valid[:, None, :, None], 0.0) for a in self.attentions]
+        return LayerRun(self.outputs.masked_fill(~kept, 0.0), hidden, attentions, self.losses)
+
     @staticmethod
     def of_rows(rows: list, like: torch.Tensor, num_layers: int, with_hidden: bool, with_attentions: bool):
         """[(row, index [n] of the row's real tokens, the one-row run over them)] -> the run of the whole batch
@@ -125,7 +136,8 @@ class SegmentRunner:
                 self._to_static(self.cache, hidden_states)
             for t in range(head, seq_len):
                 runs.append(self._decode_step(hidden_states[:, t : t + 1], valid[:, t], tokens_real=not masked))
-        return LayerRun.concatenate(runs)
+        run = LayerRun.concatenate(runs)
+        return run.without_padding(valid) if masked else run
 
     # ------------------------------------------------------------------------------------------------------------
     # The compact form: segment by segment

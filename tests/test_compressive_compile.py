@@ -73,7 +73,9 @@ def test_operators_per_training_step_do_not_grow_with_the_batch(implementation, 
     # cache and is not part of this promise)
     fused = CompressiveAttention.kernel
     monkeypatch.setattr(
-        CompressiveAttention, "kernel", lambda self, device, need_weights=False: fused(self, torch.device("cuda"))
+        CompressiveAttention,
+        "kernel",
+        lambda self, device, need_weights=False, static=False: fused(self, torch.device("cuda"), need_weights, static),
     )
     totals = []
     for size in (2, 8, 32):  # (a batch of 1 makes some tensors contiguous: fewer copies)

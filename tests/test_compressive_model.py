@@ -286,7 +286,9 @@ def test_relative_attention_matches_a_loop_over_query_key_pairs(implementation, 
     config = tiny_config()
     config._attn_implementation = implementation.split()[-1]
     if implementation == "fused sdpa":
-        monkeypatch.setattr(CompressiveAttention, "kernel", lambda self, device, need_weights=False: "sdpa")
+        monkeypatch.setattr(
+            CompressiveAttention, "kernel", lambda self, device, need_weights=False, static=False: "sdpa"
+        )
     torch.manual_seed(0)
     attention = CompressiveAttention(config).eval()
     with torch.no_grad():

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
+from longrange import (
+    CompressiveConfig,
+    CompressiveForCausalLM,
+    CompressiveMemoryCache,
+    SinkhornConfig,
+    SinkhornForCausalLM,
+)
 from longrange.compat import CACHE_NAME
 from tests.dispatch_utils import needs_current_assisted_decoding
 
@@ -61,17 +67,41 @@ def test_generation_continues_from_an_earlier_calls_cache(name, embeds):
 
 @needs_current_assisted_decoding
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("output_attentions", [False, True])
-def test_assisted_decoding_gives_the_greedy_tokens(name, output_attentions):
-    # a draft model with other weights: most of its tokens are rejected, so the cache is cropped again and again
+@pytest.mark.parametrize("outputs", ["", "attentions", "hidden_states", "attentions+hidden_states"])
+def test_assisted_decoding_gives_the_greedy_tokens(name, outputs):
+    # a draft model with other weights: most of its tokens are rejected, so the cache is cropped again and again;
+    # the target model scores several candidate tokens per forward, on top of its filled cache
     model, draft, ids = MODELS[name](0), MODELS[name](1), prompt(batch=1)
-    plain = model.generate(ids, **{**GREEDY, "max_new_tokens": 12})
-    out = model.generate(
-        ids, assistant_model=draft, output_attentions=output_attentions, return_dict_in_generate=True,
-        **{**GREEDY, "max_new_tokens": 12},
-    )  # fmt: skip
-    assert torch.equal(out.sequences, plain)
-    assert (out.attentions is not None) == output_attentions
+    asked = dict(output_attentions="attentions" in outputs, output_hidden_states="hidden_states" in outputs)
+    settings = dict(return_dict_in_generate=True, **asked, **{**GREEDY, "max_new_tokens": 12})
+    plain = model.generate(ids, **settings)
+    out = model.generate(ids, assistant_model=draft, **settings)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert (out.attentions is not None) == asked["output_attentions"]
+    assert (out.hidden_states is not None) == asked["output_hidden_states"]
+    if asked["output_hidden_states"]:  # one entry per new token, each layer's states of the tokens it scored
+        assert len(out.hidden_states) == len(plain.hidden_states) == 12
+        for got, expected in zip(out.hidden_states, plain.hidden_states):
+            for layer_got, layer_expected in zip(got, expected, strict=True):
+                torch.testing.assert_close(layer_got, layer_expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_several_tokens_on_a_filled_cache_return_every_tokens_hidden_states(name):
+    # what assisted decoding asks: several new tokens in one forward on top of a filled cache
+    model, ids = MODELS[name](), prompt()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding in the prefill
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        cache = getattr(model(ids[:, :3], attention_mask=mask[:, :3], use_cache=True), CACHE_NAME)
+        cached = model(ids[:, 3:], attention_mask=mask, **{CACHE_NAME: cache}, output_hidden_states=True)
+    assert cached.hidden_states is not None
+    assert len(cached.hidden_states) == len(full.hidden_states) == model.config.num_hidden_layers + 1
+    real = mask[:, 3:, None].bool()
+    for got, expected in zip(cached.hidden_states, full.hidden_states):
+        torch.testing.assert_close(got * real, expected[:, 3:] * real, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached.logits, full.logits[:, 3:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -121,3 +151,70 @@ def test_sinkhorn_step_attentions_need_the_prefill_to_ask_for_them():
         cache = model(ids, use_cache=True).cache
         with pytest.raises(ValueError, match="needs the forward that filled it to ask for output_attentions too"):
             model(ids[:, :1], cache=cache, output_attentions=True)
+
+
+# ---- padding positions: transformers' GenerationTesterMixin pads at random (a mask may end with padding) -------
+
+
+def llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def padded_prompt():
+    """Two rows with padding at the start, in the middle and at the end (the last prompt token is padding, so
+    generation's first token is read at a padding position)."""
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[0, 2:4] = 0
+    mask[1, 0] = 0
+    mask[:, -1] = 0
+    return prompt(), mask
+
+
+@pytest.mark.parametrize("name", ["llama", "compressive"])
+def test_outputs_at_padding_positions_do_not_depend_on_later_tokens_or_the_cache(name):
+    # Llama is the reference: a padding position's logits follow from the tokens before it only
+    model = llama() if name == "llama" else compressive()
+    ids, mask = padded_prompt()
+    later = torch.randint(1, VOCAB, (2, 3), generator=torch.Generator().manual_seed(2))
+    longer, longer_mask = torch.cat([ids, later], 1), torch.cat([mask, torch.ones_like(later)], 1)
+    with torch.no_grad():
+        alone = model(ids, attention_mask=mask, use_cache=False).logits
+        calls = [model(longer, attention_mask=longer_mask, use_cache=False).logits[:, :PROMPT]]
+        if name == "compressive":  # the cached forms: kept cache; a croppable one (its last tokens run as steps)
+            calls.append(model(longer, attention_mask=longer_mask, use_cache=True).logits[:, :PROMPT])
+            croppable = CompressiveMemoryCache(model.config.num_hidden_layers, crop_margin=4)
+            calls.append(model(longer, attention_mask=longer_mask, cache=croppable).logits[:, :PROMPT])
+    for logits in calls:
+        torch.testing.assert_close(logits, alone, atol=1e-5, rtol=1e-5)
+
+
+@needs_current_assisted_decoding
+def test_compressive_assisted_decoding_equals_greedy_when_the_prompt_ends_with_padding():
+    # transformers' test_assisted_decoding_matches_greedy_search with a random assistant: eager attention, norms
+    # with eps 1.0, a random mask, repetition penalty and bad words, every output asked for
+    model, draft = compressive(0), compressive(1)
+    for module in [*model.modules(), *draft.modules()]:
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = 1.0
+    for m in (model, draft):
+        m.set_attn_implementation("eager")
+    draft.generation_config.num_assistant_tokens = 2
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    ids, mask = padded_prompt()
+    settings = dict(
+        attention_mask=mask[:1], eos_token_id=-1, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+        output_scores=True, output_logits=True, output_hidden_states=True, output_attentions=True,
+        repetition_penalty=1.2, bad_words_ids=[[1, 0]], remove_invalid_values=True,
+    )  # fmt: skip
+    greedy = model.generate(ids[:1], **settings)
+    assisted = model.generate(ids[:1], assistant_model=draft, **settings)
+    assert torch.equal(assisted.sequences, greedy.sequences)
+    for got, expected in zip(assisted.scores, greedy.scores, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
