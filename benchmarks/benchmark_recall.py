@@ -545,15 +545,18 @@ def versions() -> dict:
 
 
 def summarise(record: dict) -> str:
-    """Markdown: one table per family, task and length; each model's mean accuracy over seeds per region."""
+    """Markdown: one table per family, task and length; each model's mean accuracy over seeds per region (and the
+    seeds' range), then the sort net's pick rate along training where it was measured."""
     groups: dict[tuple, dict[str, list]] = {}
     for run in record["runs"].values():
         groups.setdefault((run["family"], run["task"], run["length"]), {}).setdefault(run["model"], []).append(run)
     lines = []
     for (family, task, length), models in sorted(groups.items()):
+        models = {name: models[name] for name in sorted(models, key=lambda name: model_order(family, name))}
         regions = list(next(iter(models.values()))[0]["accuracy"])
+        far = [k for k in regions if any(r["count"][k] for runs in models.values() for r in runs)][-1]
         gen = any("gen_accuracy" in r for runs in models.values() for r in runs)
-        head = ["model", "seeds", "slots"] + regions + (["generate: " + regions[-1], "gen agree"] if gen else [])
+        head = ["model", "seeds", "slots"] + regions + ([f"generate: {far}", "gen agree"] if gen else [])
         head += ["pick rate (chance)", "loss", "train s"]
         lines += [f"\n{family} family, {task}, {length} tokens\n", "| " + " | ".join(head) + " |",
                   "|" + "---|" * len(head)]  # fmt: skip
@@ -561,14 +564,39 @@ def summarise(record: dict) -> str:
             row = [name, str(len(runs)), str(runs[0]["slots"] if runs[0]["slots"] is not None else "-")]
             row += [mean_spread([r["accuracy"][k] for r in runs]) for k in regions]
             if gen:
-                row += [mean_spread([r.get("gen_accuracy", {}).get(regions[-1]) for r in runs]),
+                row += [mean_spread([r.get("gen_accuracy", {}).get(far) for r in runs]),
                         mean_spread([r.get("gen_agree_all", r.get("gen_agree")) for r in runs])]  # fmt: skip
             pick = mean_spread([r.get("pick_rate") for r in runs])
             chance = mean_spread([r.get("pick_chance") for r in runs])
             row += [f"{pick} ({chance})" if pick != "-" else "-", mean_spread([r["final_loss"] for r in runs]),
                     f"{sum(r['train_seconds'] for r in runs) / len(runs):.0f}"]  # fmt: skip
             lines.append("| " + " | ".join(row) + " |")
+        lines += pick_curves(models)
     return "\n".join(lines)
+
+
+def model_order(family: str, name: str) -> tuple:
+    """The family's main models in their order, then the ablation, then others; a variant after its base."""
+    known = DEFAULT_MODELS[family] + [m for m in ABLATION if m not in DEFAULT_MODELS[family]]
+    base = name.split("+")[0]
+    return (known.index(base) if base in known else len(known), name)
+
+
+def pick_curves(models: dict[str, list]) -> list[str]:
+    """Markdown rows: the pick rate and the accuracy in the farthest region at every evaluation along training."""
+    runs = [
+        (name, r) for name, rs in models.items() for r in rs if any(p.get("pick_rate") is not None for p in r["curve"])
+    ]
+    if not runs:
+        return []
+    steps = [point["step"] for point in runs[0][1]["curve"]]
+    lines = ["\npick rate / accuracy in the farthest region, along training\n",
+             "| model, seed | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]  # fmt: skip
+    for name, run in runs:
+        far = list(run["accuracy"])[-1]
+        cells = [f"{p.get('pick_rate') or 0:.2f} / {p['accuracy'][far] or 0:.2f}" for p in run["curve"]]
+        lines.append(f"| {name}, {run['seed']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def mean_spread(values) -> str:
@@ -714,7 +742,7 @@ def main(argv=None) -> None:
     record = json.loads(args.json.read_text())
     print(summarise(record))
     plot(record, args.plot)
-    print(f"\nwrote {args.json} and {args.plot}")
+    print(f"\nwrote {args.plot}" if args.plot_only else f"\nwrote {args.json} and {args.plot}")
 
 
 if __name__ == "__main__":
