@@ -65,7 +65,7 @@ def test_sinkhorn_exports_to_onnx_and_runs_in_onnxruntime_as_in_eager(masked, tm
         vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=8,
         causal=not masked, max_position_embeddings=64, n_local_attn_heads=1, emb_dim=16,
     )  # fmt: skip
-    model = Logits((SinkhornForMaskedLM if masked else SinkhornForCausalLM)(config).eval())
+    model = Logits((SinkhornForMaskedLM if masked else SinkhornForCausalLM)(config)).eval()
     ids = torch.randint(0, VOCAB, (2, 32))
     mask = torch.ones(2, 32, dtype=torch.long)
     mask[1, :5] = 0  # left padding: the real tokens move first (real_tokens_first)
