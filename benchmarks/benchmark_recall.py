@@ -617,9 +617,10 @@ def plot(record: dict, path: Path) -> None:
     for run in record["runs"].values():
         groups.setdefault((run["family"], run["task"], run["length"]), {}).setdefault(run["model"], []).append(run)
     keys = sorted(groups)
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 5.0), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for name, runs in groups[key].items():
+        for name in sorted(groups[key], key=lambda name: model_order(key[0], name)):
+            runs = groups[key][name]
             bins = len(runs[0]["bins"])
             width = key[2] / bins
             xs, means, lows, highs = [], [], [], []
@@ -637,7 +638,7 @@ def plot(record: dict, path: Path) -> None:
         ax.axhline(0.1, color="grey", lw=0.8, ls=":", label="chance")
         ax.set(title=f"{key[0]} family: {key[1]}, {key[2]} tokens", xlabel="distance from fact to answer (tokens)",
                ylabel="accuracy per answer token", ylim=(0, 1.02))  # fmt: skip
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
