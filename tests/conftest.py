@@ -55,6 +55,9 @@ def _read_guard_allows_pytest_temporary_folders(tmp_path_factory):
     # when the base folder is first asked for (just below)
     GUARD.allow(Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}")
     GUARD.allow(tmp_path_factory.getbasetemp())
+    # torch.compile's inductor keeps its cache in <tmp>/torchinductor_<user> unless TORCHINDUCTOR_CACHE_DIR names
+    # one: a sibling of the repository when the checkout itself lies directly in the temporary folder
+    GUARD.allow(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
     os.environ.update(GUARD.child_env())
 
 

@@ -41,7 +41,8 @@ WATCHED = {"open", "os.listdir", "os.scandir", "subprocess.Popen"}
 SYSTEM_DIRS = {"bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "opt", "proc", "run", "sbin", "srv",
                "sys", "usr", "var", "snap", "nix", "private", "System", "Library", "Applications"}  # fmt: skip
 CACHE_VARIABLES = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE", "HF_MODULES_CACHE", "HUGGINGFACE_HUB_CACHE",
-                   "TRANSFORMERS_CACHE", "TORCH_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR", "TMPDIR")  # fmt: skip
+                   "TRANSFORMERS_CACHE", "TORCH_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR", "TMPDIR",
+                   "TORCHINDUCTOR_CACHE_DIR")  # fmt: skip
 IMPORT_SYSTEM_FILES = ("<frozen importlib._bootstrap_external>", "<frozen importlib._bootstrap>", "<frozen zipimport>")
 
 _guards: list[ReadGuard] = []
