@@ -61,7 +61,11 @@ def make_environment(venv: Path) -> Path:
 
 
 @pytest.mark.slow  # builds and installs a wheel, then trains and generates in fresh processes: about 2 minutes
-def test_the_wheel_gives_the_longrange_command_outside_the_checkout(tmp_path):
+def test_the_wheel_gives_the_longrange_command_outside_the_checkout(tmp_path, monkeypatch):
+    # pip and the commands make their temporary files below this test's folder: with the checkout directly in the
+    # temporary folder, anything else there is a sibling of the repository, which the read guard refuses
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     wheel = build_wheel(tmp_path / "dist", tmp_path)
     python = make_environment(tmp_path / "venv")
     run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)])
