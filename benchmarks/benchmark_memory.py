@@ -638,8 +638,9 @@ def main(argv=None) -> dict:
 
     started, total = time.perf_counter(), len(configs) * len(args.seeds)
     done = 0
-    for name, info in configs.items():
-        for seed in args.seeds:
+    # seed-major: a record stopped early still compares every configuration
+    for seed in args.seeds:
+        for name, info in configs.items():
             done += 1
             print(f"\n[{done}/{total}] {name}, seed {seed}: {info['description']}", flush=True)
             out = args.output_dir / "runs" / f"{name}-seed{seed}"
