@@ -92,9 +92,13 @@ def test_training_attends_chosen_and_explored_buckets(offset, weighted):
     q, k, v = (torch.randn(b, h, length, d, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(b, length, dtype=torch.bool)
     mask[1, :5] = False  # left padding: bucket 0 (and part of 1) empty, never explored
-    heads = CausalSinkhornHeads(
-        h, d, size, n_top, offset, 0.75, 0.0, "sdpa", weight_routed_values=weighted, exploration=explore
-    ).double().train()
+    heads = (
+        CausalSinkhornHeads(
+            h, d, size, n_top, offset, 0.75, 0.0, "sdpa", weight_routed_values=weighted, exploration=explore
+        )
+        .double()
+        .train()
+    )
     torch.nn.init.normal_(heads.null_keys)
     torch.nn.init.normal_(heads.null_values)
     seen = {}
