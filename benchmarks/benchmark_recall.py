@@ -48,7 +48,8 @@ digits generated before it: both must be 1.0 when the bounded cache carries what
 after a wrong one are conditioned on it, so `gen_*` accuracy can be below the teacher-forced forward's); the
 Sinkhorn sort net's choice (`pick_rate`: over rows whose fact is routed-only, layers and Sinkhorn heads, how often
 the query's bucket picks the fact's bucket; `pick_chance`: n_top_buckets over the earlier buckets), at every
-`--eval-every` steps too.
+`--eval-every` steps too; and the accuracy of routed-only answers when some Sinkhorn head of some layer picked the
+fact's bucket (`acc_picked`) and when none did (`acc_missed`), with the share of answers picked (`any_picked`).
 
 Writes `--json` (merged with what is there: each run keyed by family, task, length, model and seed, so runs made
 in several processes or sessions accumulate; the file is locked while written) and `--plot` (accuracy against
@@ -355,7 +356,7 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
             predicting = chunk.answers if spec.kind in ("masked", "bert") else chunk.answers - 1
             tally(out, correct, region(predicting, chunk.facts), chunk.answers - chunk.facts, names, args)
             if probe:
-                count_picks(out, full.routing, model.config, predicting, chunk.facts, region)
+                count_picks(out, full.routing, model.config, predicting, chunk.facts, region, correct)
             if args.task == "passkey" and spec.kind in ("compressive", "sinkhorn", "llama"):
                 generated_accuracy(out, spec, model, chunk, logits, region, names, args)
     model.train()
@@ -404,10 +405,12 @@ def generated_accuracy(out, spec, model, chunk: Batch, forward_logits, region, n
     every[1] += generated.numel()
 
 
-def count_picks(out: dict, routing, config, predicting, facts, region):
-    """How often the query's bucket picks the fact's bucket, over rows whose fact only routing reaches."""
+def count_picks(out: dict, routing, config, predicting, facts, region, correct):
+    """How often the query's bucket picks the fact's bucket, over answers whose fact only routing reaches, and
+    their accuracy when some Sinkhorn head of some layer picked it and when none did."""
     routed = region(predicting, facts) == 2  # [b, n]
     hits = total = 0
+    any_hit = torch.zeros_like(routed)
     for layer in routing:
         for head, offset in enumerate(layer.offsets.tolist()):
             if head < config.n_local_attn_heads:
@@ -417,6 +420,7 @@ def count_picks(out: dict, routing, config, predicting, facts, region):
             picks = layer.key_buckets[:, head]  # [b, query buckets, n_top]
             chosen = picks.gather(1, query_bucket[..., None].expand(-1, -1, picks.shape[-1]))
             hit = (chosen == fact_bucket[..., None]).any(-1)
+            any_hit |= hit
             hits += int(hit[routed].sum())
             total += int(routed.sum())
     if config.causal:  # the candidates: the earlier buckets
@@ -430,6 +434,10 @@ def count_picks(out: dict, routing, config, predicting, facts, region):
     cell[1] += total
     if chance is not None:
         cell[2].append(chance)
+    for name, sel in (("picked", routed & any_hit), ("missed", routed & ~any_hit)):
+        pair = out.setdefault(f"acc_{name}", [0, 0])
+        pair[0] += int(correct[sel].sum())
+        pair[1] += int(sel.sum())
 
 
 def finish(out: dict) -> dict:
@@ -447,6 +455,10 @@ def finish(out: dict) -> dict:
         result["pick_rate"] = rate(out["picks"])
         chances = out["picks"][2]
         result["pick_chance"] = round(sum(chances) / len(chances), 4) if chances else None
+        # routed-only answers: accuracy when a Sinkhorn head picked the fact's bucket / when none did, and how often
+        result["acc_picked"], result["acc_missed"] = rate(out["acc_picked"]), rate(out["acc_missed"])
+        seen = out["acc_picked"][1] + out["acc_missed"][1]
+        result["any_picked"] = round(out["acc_picked"][1] / seen, 4) if seen else None
     return result
 
 
@@ -568,7 +580,9 @@ def summarise(record: dict) -> str:
         far = [k for k in regions if any(r["count"][k] for runs in models.values() for r in runs)][-1]
         gen = any("gen_accuracy" in r for runs in models.values() for r in runs)
         head = ["model", "seeds", "slots"] + regions + ([f"generate: {far}", "gen agree"] if gen else [])
-        head += ["pick rate (chance)", "loss", "train s"]
+        split_picks = any(r.get("acc_picked") is not None for runs in models.values() for r in runs)
+        head += ["pick rate (chance)"] + (["acc. picked / missed (share picked)"] if split_picks else [])
+        head += ["loss", "train s"]
         lines += [f"\n{family} family, {task}, {length} tokens\n", "| " + " | ".join(head) + " |",
                   "|" + "---|" * len(head)]  # fmt: skip
         for name, runs in models.items():
@@ -579,7 +593,11 @@ def summarise(record: dict) -> str:
                         mean_spread([r.get("gen_agree_all", r.get("gen_agree")) for r in runs])]  # fmt: skip
             pick = mean_spread([r.get("pick_rate") for r in runs])
             chance = mean_spread([r.get("pick_chance") for r in runs])
-            row += [f"{pick} ({chance})" if pick != "-" else "-", mean_spread([r["final_loss"] for r in runs]),
+            row += [f"{pick} ({chance})" if pick != "-" else "-"]
+            if split_picks:
+                parts = [mean_spread([r.get(k) for r in runs]) for k in ("acc_picked", "acc_missed", "any_picked")]
+                row += ["{} / {} ({})".format(*parts) if parts[0] != "-" else "-"]
+            row += [mean_spread([r["final_loss"] for r in runs]),
                     f"{sum(r['train_seconds'] for r in runs) / len(runs):.0f}"]  # fmt: skip
             lines.append("| " + " | ".join(row) + " |")
         lines += pick_curves(models)

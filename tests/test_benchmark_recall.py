@@ -90,7 +90,28 @@ def test_quick_run_records_and_cached_generation_agrees(bench, tmp_path, family)
     ours = runs[f"{family}|passkey|{160 if family == 'compressive' else 256}|{bench.DEFAULT_MODELS[family][0]}|0"]
     if family == "sinkhorn":
         assert 0 <= ours["pick_rate"] <= 1 and ours["pick_chance"] > 0
+        assert ours["any_picked"] is not None and 0 <= ours["any_picked"] <= 1
     assert image.stat().st_size > 0 and record["versions"]["torch"] == version("torch")
+
+
+def test_pick_counts_split_accuracy_by_whether_the_fact_bucket_was_picked(bench):
+    from types import SimpleNamespace
+
+    args = bench.parse_args(["--family", "sinkhorn", "--bucket", "16"])
+    _, region = bench.regions_of("sinkhorn", args)
+    config = SimpleNamespace(n_local_attn_heads=1, bucket_size=16, causal=True, n_top_buckets=2, n_sortcut=0)
+    predicting = torch.tensor([[100], [100], [100], [100]])  # query bucket 6
+    facts = torch.tensor([[10], [20], [90], [50]])  # buckets 0 and 1 (routed), 5 (previous: not counted), 3 (routed)
+    picks = torch.full((4, 3, 8, 2), -1)  # [rows, heads, query buckets, n_top]; head 0 is local
+    picks[0, 0, 6] = torch.tensor([0, 1])  # a local head "picking" is ignored
+    picks[1, 1, 6, 0] = 1  # row 1: the fact's bucket, by head 1
+    picks[3, 2, 6, 1] = 3  # row 3: by head 2
+    layer = SimpleNamespace(offsets=torch.zeros(3, dtype=torch.long), key_buckets=picks)
+    correct = torch.tensor([[False], [True], [True], [False]])
+    out = {"regions": {}, "bins": []}
+    bench.count_picks(out, [layer, layer], config, predicting, facts, region, correct)
+    assert out["picks"][:2] == [4, 12]  # rows 0, 1, 3 x 2 Sinkhorn heads x 2 layers; row 1 and 3 hit once per layer
+    assert out["acc_picked"] == [1, 2] and out["acc_missed"] == [0, 1]  # row 1 right, row 3 wrong; row 0 wrong
 
 
 def test_curriculum_keeps_facts_near_and_grows(bench):
