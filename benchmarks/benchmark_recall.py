@@ -36,8 +36,8 @@ expand):
     conv1d_none, dilated_conv_attention, dilated_conv_autoencoding, max_pool, mean_pool, most_used.
   sinkhorn family (causal): top1, top2 (`n_top_buckets`), top4, local (every head local attention: what routing
     adds), llama, reference (sinkhorn-transformer 0.11.4, same options); routing variants of top2:
-    top2_unweighted (`weight_routed_values=False`: routed values at full strength), top2_explore
-    (`routing_exploration=4`: 4 random earlier buckets more per query bucket in training), and both.
+    top2_unweighted (`weight_routed_values=False`: routed values at full strength) and top2_unweighted_local2
+    (the same with half the heads local attention).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
     (transformers' BERT, full attention).
 
@@ -219,12 +219,11 @@ def family_specs(family: str, args) -> dict[str, Spec]:
         specs += [
             # routed values at full strength (a straight-through routing weight) instead of times the weight
             Spec("top2_unweighted", "sinkhorn", dict(n_top_buckets=2, weight_routed_values=False)),
-            # in training, 4 more random earlier buckets per query bucket (`routing_exploration`)
-            Spec("top2_explore", "sinkhorn", dict(n_top_buckets=2, routing_exploration=4)),
+            # half the heads local (a previous-token / copying path), half routed at full strength
             Spec(
-                "top2_unweighted_explore",
+                "top2_unweighted_local2",
                 "sinkhorn",
-                dict(n_top_buckets=2, weight_routed_values=False, routing_exploration=4),
+                dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
             ),
             Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
             Spec("llama", "llama"),

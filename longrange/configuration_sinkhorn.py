@@ -145,10 +145,6 @@ class SinkhornConfig(PreTrainedConfig):
         randomly_truncate_sequence: `SinkhornForCausalLM` in training mode cuts every row at a random length and
             left-aligns it to the end of the window (the seed's trick so the sort net learns partially filled
             buckets). No effect in eval mode.
-        routing_exploration: causal self-attention in training mode: each query bucket also attends this many
-            earlier key buckets drawn at random among those it did not choose, weighted like chosen ones, so the
-            sort net's gradient also reaches buckets it would not pick (default 0; no effect in eval mode or while
-            a generation cache is filled). Costs this many more buckets of attention per query bucket in training.
 
     Initialisation and output layer (defaults follow the sinkhorn-transformer package: with the transformers
     conventions instead, 0.02-normal weights and a tied output embedding, a 6 x 256 character model trained 100 steps
@@ -261,7 +257,6 @@ class SinkhornConfig(PreTrainedConfig):
     causal_null_score: str = "learned"
     null_bucket_copies: bool = False
     shifted_heads_skip_first_bucket: bool = False
-    routing_exploration: int = 0
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -341,7 +336,7 @@ FIELD_RULES = {
     # None: a default derived from other fields (the properties above; pkm_dim_key: hidden_size // 2)
     **dict.fromkeys(("dim_head", "intermediate_size", "emb_dim", "context_bucket_size"), optional(_POSITIVE)),
     "pkm_dim_key": optional(_POSITIVE),
-    **dict.fromkeys(("n_sortcut", "context_n_sortcut", "n_local_attn_heads", "routing_exploration"), integer(0)),
+    **dict.fromkeys(("n_sortcut", "context_n_sortcut", "n_local_attn_heads"), integer(0)),
     **dict.fromkeys(
         ("emb_dropout", "ff_dropout", "attn_dropout", "attn_layer_dropout", "layer_dropout"), probability("in [0, 1)")
     ),
@@ -420,10 +415,6 @@ REQUIREMENTS = (
     Requirement(
         lambda c: not c.causal and _changed_reference_causal(c),
         "{found} apply to causal self-attention only; set causal=True",
-    ),
-    Requirement(
-        lambda c: c.routing_exploration > 0 and not c.causal,
-        "routing_exploration > 0 needs causal=True (it adds random earlier buckets to causal self-attention)",
     ),
     Requirement(
         lambda c: c.route_own_bucket and c.causal,

@@ -372,10 +372,9 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         null_score: str = "learned",
         null_copies: bool = False,
         skip_first_bucket: bool = False,
-        exploration: int = 0,
     ):
         super().__init__()
-        self.weight_routed_values, self.exploration = weight_routed_values, exploration
+        self.weight_routed_values = weight_routed_values
         self.weight_routed_keys, self.sequential_weights = weight_routed_keys, sequential_weights
         # self-attention routing variants (see SinkhornConfig: causal_key_summary, causal_null_score,
         # null_bucket_copies, shifted_heads_skip_first_bucket)
@@ -421,8 +420,7 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         bq = q.reshape(b, h, lq // self.bucket_size, self.bucket_size, d)  # [b, h, n, B, d]
         counted, q_sums, sq = self._query_summaries(q, bq, mask)
         bank = self._bank(sq, k, v, mask, k_mask, counted, null)
-        # [b, h, n, n_sel (+ exploration: training, not while filling a cache)]
-        idx, picked_valid, scale = self._select(bank.scores, bank.valid, bank.n_sel, explore=record is None)
+        idx, picked_valid, scale = self._select(bank.scores, bank.valid, bank.n_sel)  # [b, h, n, n_sel]
         routed = self._gather_chosen(bank, idx, picked_valid, scale)  # keys, values, mask [b, h, n, n_sel * B(, d)]
         placed = None
         if attn_weights is not None:
@@ -577,10 +575,8 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
                 record["k_run_sum"] = (k.float() * counted[:, None, :, None]).sum(2)  # [b, h, d]
                 record["k_run_count"] = counted.sum(1).float()  # [b]
 
-    def _select(self, scores, valid, n_sel, explore: bool = False):
-        """`select_buckets` with this group's routing options (a causal group never runs Sinkhorn balancing).
-        `explore`: in training, self-attention adds `exploration` random earlier key buckets (not null buckets)."""
-        explore = self.exploration if explore and self.training and not self.cross else 0
+    def _select(self, scores, valid, n_sel):
+        """`select_buckets` with this group's routing options (a causal group never runs Sinkhorn balancing)."""
         return select_buckets(
             scores,
             valid,
@@ -588,8 +584,6 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
             self.temperature,
             weighted=self.weight_routed_values,
             sequential=self.sequential_weights,
-            explore=explore,
-            explorable=F.pad(valid[..., n_sel:], (n_sel, 0), value=False) if explore else None,
         )
 
 

@@ -62,8 +62,6 @@ def select_buckets(
     gumbel: bool = False,
     weighted: bool = False,
     sequential: bool = False,
-    explore: int = 0,
-    explorable: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose `n_select` candidates per row.
 
@@ -74,8 +72,6 @@ def select_buckets(
     shape): exactly 1.0 in the forward pass, carrying d(log routing weight) in the backward pass (None when
     gradients are off). `weighted`: the scale is the routing weight itself (forward and backward; never None).
     `sequential` (top-k only): the i-th pick's weight is the softmax over the candidates not picked before it.
-    `explore`: this many more candidates per row, drawn uniformly among the `explorable` ones (bool, broadcastable;
-    default `valid`) not chosen; they come after the chosen ones and are weighted like them.
     """
     valid = valid.expand(scores.shape)
     logits = scores.masked_fill(~valid, NEG)
@@ -94,8 +90,6 @@ def select_buckets(
         # (ties to the lowest index, as above: balancing can tie candidates exactly, e.g. two of equal column mass)
         idx = top_indices(log_weights, n_select)
     picked_valid = valid.gather(-1, idx)
-    if explore:
-        idx, picked_valid = _explored(idx, picked_valid, valid if explorable is None else explorable, explore)
     if sequential:
         picked = _sequential_log_weights(logits / temperature, idx)
     else:
@@ -107,15 +101,6 @@ def select_buckets(
     picked = picked.masked_fill(~picked_valid, 0.0)
     scale = torch.exp(picked - picked.detach())
     return idx, picked_valid, scale
-
-
-def _explored(idx: torch.Tensor, picked_valid: torch.Tensor, explorable: torch.Tensor, explore: int):
-    """`idx` [..., k] with `explore` more indices drawn uniformly among the explorable candidates not in it (a
-    draw beyond the candidates left is marked invalid) -> indices and picked_valid [..., k + explore]."""
-    allowed = explorable.expand(*idx.shape[:-1], -1).scatter(-1, idx, False)
-    draws = torch.rand(allowed.shape, device=idx.device).masked_fill(~allowed, -1.0)
-    extra = top_indices(draws, explore)
-    return torch.cat([idx, extra], dim=-1), torch.cat([picked_valid, allowed.gather(-1, extra)], dim=-1)
 
 
 def _sequential_log_weights(scaled: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
