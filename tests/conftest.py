@@ -151,3 +151,15 @@ def play_file(tmp_path_factory, play_text) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "play.txt"
     path.write_text(play_text, encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny tensors on a shared 2-core machine: intra-op threads only add contention (100x slower under load).
+    A module opts in with `pytestmark = pytest.mark.usefixtures("single_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_compressive_model import COMPRESSIONS, VOCAB, single_thread, tiny_model  # noqa: F401
+from test_compressive_model import COMPRESSIONS, VOCAB, tiny_model  # noqa: F401
 
 from longrange import CompressiveMemoryCache
 from longrange.compat import CACHE_NAME
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
 
 
 def greedy_by_full_recomputation(model, ids, mask, new_tokens):

@@ -10,10 +10,12 @@ import textwrap
 
 import pytest
 import torch
-from test_compressive_model import VOCAB, single_thread, tiny_config, tiny_model  # noqa: F401
+from test_compressive_model import VOCAB, tiny_config, tiny_model  # noqa: F401
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from longrange import CompressiveConfig, CompressiveForCausalLM, CompressiveModel
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
 
 
 def test_seed_names_are_aliases():

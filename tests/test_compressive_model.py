@@ -16,16 +16,9 @@ from longrange import CompressiveConfig, CompressiveForCausalLM
 from longrange.layers import sinusoidal_embedding
 from longrange.modeling_compressive import CompressiveAttention, relative_shift
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
+
 VOCAB = 37
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors on a shared 2-core machine: intra-op threads only add contention (100x slower under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config(**overrides) -> CompressiveConfig:

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from test_compressive_model import COMPRESSIONS, VOCAB, single_thread, tiny_model  # noqa: F401
+from test_compressive_model import COMPRESSIONS, VOCAB, tiny_model  # noqa: F401
 from transformers import CompileConfig, pipeline
 
 from longrange import CompressiveMemoryCache
@@ -22,6 +22,8 @@ from tests.dispatch_utils import (
     needs_traceable_outputs,
     sync_ops,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
 
 # tiny_model: segment 4, memory 6, compressed memory 3, rate 2: 19 tokens fill both memories (4 segments)
 OPTIONS = COMPRESSIONS + [dict(layer_norm_position="post"), dict(c_mem_len=0, mem_len=5)]  # the last: Transformer-XL

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_compressive_model import VOCAB, single_thread, tiny_model  # noqa: F401
+from test_compressive_model import VOCAB, tiny_model  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
 
 
 def grads_of(loss, model):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_compressive_model import VOCAB, single_thread, tiny_model  # noqa: F401
+from test_compressive_model import VOCAB, tiny_model  # noqa: F401
 
 from longrange import CompressiveConfig, CompressiveForCausalLM, CompressiveMemoryCache
 from longrange.layers import sinusoidal_embedding
 from longrange.trainer import memory_from_state, memory_state
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
 
 # tiny_model: segment 4, compression rate 2. mem_len 5 is no multiple of the rate: a grouped eviction would keep 4
 TXL = dict(c_mem_len=0, mem_len=5)

@@ -16,15 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
+
 VOCAB = 37
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def compressive(**overrides):

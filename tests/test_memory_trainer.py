@@ -47,20 +47,13 @@ needs_supported = pytest.mark.skipif(
     not MEMORY_TRAINER_SUPPORTED, reason="MemoryTrainer refuses this transformers version (tested below)"
 )
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
+
 
 @pytest.mark.skipif(MEMORY_TRAINER_SUPPORTED, reason="the installed transformers is supported")
 def test_refuses_unsupported_transformers(tmp_path):
     with pytest.raises(RuntimeError, match="MemoryTrainer needs transformers >="):
         MemoryTrainer(model=tiny_compressive(), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors on a shared 2-core machine: intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 WINDOW = 16  # two segments of 8

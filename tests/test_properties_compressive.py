@@ -40,6 +40,8 @@ from tests.property_utils import (
     seeds,
 )
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
+
 # every (compression function, reconstruction loss) pair the config accepts: parameter-free functions (max_pool,
 # mean_pool, most_used) have nothing to train, and the config refuses them with a reconstruction loss other than
 # "none" (left out here for that reason)
@@ -49,15 +51,6 @@ COMPRESSION_PAIRS = [
     if loss == "none" or function in TRAINABLE_COMPRESSION_FUNCTIONS
 ]
 ATTENTION = ["sdpa", "eager", "blockwise"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors on a shared machine: intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @st.composite

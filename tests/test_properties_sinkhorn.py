@@ -40,16 +40,9 @@ from tests.property_utils import (
     seeds,
 )
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
+
 MAX_TOKENS = 40  # longest sequence any test feeds (prompt + generated tokens included)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors on a shared machine: intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @st.composite
