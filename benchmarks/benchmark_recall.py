@@ -35,7 +35,8 @@ expand):
     0.4.0, the same sizes, fed segment by segment with its memories); the ablation: conv1d_autoencoding,
     conv1d_none, dilated_conv_attention, dilated_conv_autoencoding, max_pool, mean_pool, most_used.
   sinkhorn family (causal): top1, top2 (`n_top_buckets`), top4, local (every head local attention: what routing
-    adds), llama, reference (sinkhorn-transformer 0.11.4, same options); routing variants of top2:
+    adds), llama, gpt2 (transformers' GPT-2: full attention with learned absolute positions, as Sinkhorn's;
+    Llama's are rotary), reference (sinkhorn-transformer 0.11.4, same options); routing variants of top2:
     top2_unweighted (`weight_routed_values=False`: routed values at full strength) and top2_unweighted_local2
     (the same with half the heads local attention).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
@@ -227,6 +228,8 @@ def family_specs(family: str, args) -> dict[str, Spec]:
             ),
             Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
             Spec("llama", "llama"),
+            # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
+            Spec("gpt2", "gpt2"),
             Spec("reference", "ref_sinkhorn", dict(n_top_buckets=2)),
         ]
     else:
@@ -267,6 +270,12 @@ def build(spec: Spec, args) -> torch.nn.Module:
 
         config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=args.length, **width)
         return LlamaForCausalLM(config)
+    if spec.kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=VOCAB, n_positions=args.length, n_embd=args.hidden, n_layer=args.layers,
+                            n_head=args.heads, n_inner=4 * args.hidden)  # fmt: skip
+        return GPT2LMHeadModel(config)
     if spec.kind == "bert":
         from transformers import BertConfig, BertForMaskedLM
 
@@ -303,7 +312,7 @@ def answer_logits(spec: Spec, model, ids: torch.Tensor, at: torch.Tensor, **kwar
     elif spec.kind == "ref_sinkhorn":
         logits = model(ids)
     else:
-        extra = {} if spec.kind in ("masked", "bert", "llama") else {"use_cache": False}
+        extra = {} if spec.kind in ("masked", "bert", "llama", "gpt2") else {"use_cache": False}
         out = model(input_ids=ids, **extra, **kwargs)
         logits = out.logits
         if kwargs:
@@ -356,7 +365,7 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
             tally(out, correct, region(predicting, chunk.facts), chunk.answers - chunk.facts, names, args)
             if probe:
                 count_picks(out, full.routing, model.config, predicting, chunk.facts, region, correct)
-            if args.task == "passkey" and spec.kind in ("compressive", "sinkhorn", "llama"):
+            if args.task == "passkey" and spec.kind in ("compressive", "sinkhorn", "llama", "gpt2"):
                 generated_accuracy(out, spec, model, chunk, logits, region, names, args)
     model.train()
     return finish(out)
