@@ -654,9 +654,12 @@ def plot(record: dict, path: Path) -> None:
     for run in record["runs"].values():
         groups.setdefault((run["family"], run["task"], run["length"]), {}).setdefault(run["model"], []).append(run)
     keys = sorted(groups)
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 5.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(keys), figsize=(6.0 * len(keys), 5.0), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
     for ax, key in zip(axes[0], keys):
-        for name in sorted(groups[key], key=lambda name: model_order(key[0], name)):
+        # the family's main models solid, variants and the ablation dashed; one colour per model
+        for i, name in enumerate(sorted(groups[key], key=lambda name: model_order(key[0], name))):
+            main = name in DEFAULT_MODELS[key[0]]
             runs = groups[key][name]
             bins = len(runs[0]["bins"])
             width = key[2] / bins
@@ -669,16 +672,17 @@ def plot(record: dict, path: Path) -> None:
                     lows.append(min(values))
                     highs.append(max(values))
             (line,) = ax.plot(
-                xs, means, marker="o", ms=3, label=f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
-            )
+                xs, means, marker="o", ms=3 if main else 2, lw=1.8 if main else 1.0, ls="-" if main else "--",
+                color=colors[(2 * i) % 20 + (2 * i) // 20 % 2], label=f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})",
+            )  # fmt: skip
             ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
         ax.axhline(0.1, color="grey", lw=0.8, ls=":", label="chance")
         ax.set(title=f"{key[0]} family: {key[1]}, {key[2]} tokens", xlabel="distance from fact to answer (tokens)",
                ylabel="accuracy per answer token", ylim=(0, 1.02))  # fmt: skip
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
-    fig.tight_layout()
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    fig.tight_layout(w_pad=3)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

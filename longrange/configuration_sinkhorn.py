@@ -110,11 +110,8 @@ class SinkhornConfig(PreTrainedConfig):
             weight (the routing softmax at `sort_temperature`, or the Gumbel-Sinkhorn matrix), forward and
             backward, as the seed's reordering matrix does (the seed also scales the keys: `weight_routed_keys`).
             False = only the bucket *indices* come from the sort net and the chosen buckets are attended as they
-            are (a straight-through weight, exactly 1 in the forward pass, trains the sort net). Tiny Shakespeare
-            benchmark (6 x 256, 100 steps): 3.567 bits/char with True, 3.611 with False (package 3.597). Passkey
-            retrieval (benchmarks/benchmark_recall.py, causal, 256 tokens, 16 buckets): False recalls 0.30 of the
-            digits only a routed bucket holds, True stays at chance (0.11): a chosen bucket's weight starts near
-            1 / (candidates), so its values reach the attention about 15x weakened.
+            are (straight-through weights train the sort net). True / False: Tiny Shakespeare (6 x 256, 100 steps)
+            3.567 / 3.611 bits/char; passkey recall beyond the local buckets (benchmark_recall.py) 0.11 / 0.30.
         n_local_attn_heads: this many heads use local windowed attention (window = `bucket_size`, looking one
             window back, and one ahead when non-causal) instead of Sinkhorn attention.
         receives_context (alias `add_cross_attention`): layers also attend `encoder_hidden_states` (seed:
