@@ -561,38 +561,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.plot_only:
-        report = json.loads(args.plot_only.read_text())
-        print(tables(report))
-        plot(report, args.plot)
-        return report
+def new_record(argv: list[str], args, configs: dict, kinds: dict, data: tuple) -> dict:
+    """The record's frame before any run: command, versions, machine, sizes, data, evaluation protocol."""
     import transformers
 
     size = args.size
-    configs = configurations(size, args.configs)
-    if not args.kjv.is_file():
-        raise SystemExit(f"no such file: {args.kjv} (the King James Bible is expected in ../shared/data)")
-    kinds = {"kjv": kjv_books(args.kjv), "python": python_files(args.python_dir, size["python_files"],
-                                                                size["min_doc_bytes"])}  # fmt: skip
-    docs = interleave(kinds)
-    corpus_dir = args.output_dir / "corpus"
-    write_corpus(docs, corpus_dir)
-    rows, eval_docs, train_bytes, validation_docs = evaluation_rows(
-        corpus_dir, docs, args.validation, size["eval_docs"], size["eval_doc_tokens"]
-    )
-    row_kinds = [d["kind"] for d in eval_docs]
+    eval_docs, validation_docs, train_bytes = data
     tokens = size["steps"] * size["batch"] * size["window"]
-    print(f"corpus: {len(kinds['kjv'])} Bible books ({sum(len(t) for _, t in kinds['kjv']):,} bytes) + "
-          f"{len(kinds['python'])} Python files ({sum(len(t) for _, t in kinds['python']):,} bytes); "
-          f"{train_bytes:,} training bytes; validation documents: {validation_docs}; evaluated: {len(eval_docs)} x "
-          f"{size['eval_doc_tokens']} bytes ({', '.join(sorted(set(row_kinds)))})")  # fmt: skip
-    print(f"model {size['layers']} x {size['hidden']}, {size['heads']} heads, segment {size['segment']}; "
-          f"budget per run: {size['steps']} steps x {size['batch']} x {size['window']} = {tokens:,} tokens; "
-          f"{len(configs)} configurations x {len(args.seeds)} seeds")  # fmt: skip
-    report = {
+    return {
         "command": "python benchmarks/benchmark_memory.py " + shlex.join(argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "complete": False,
@@ -632,6 +608,38 @@ def main(argv=None) -> dict:
         "configs": configs,
         "runs": {name: {} for name in configs},
     }
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.plot_only:
+        report = json.loads(args.plot_only.read_text())
+        print(tables(report))
+        plot(report, args.plot)
+        return report
+    size = args.size
+    configs = configurations(size, args.configs)
+    if not args.kjv.is_file():
+        raise SystemExit(f"no such file: {args.kjv} (the King James Bible is expected in ../shared/data)")
+    kinds = {"kjv": kjv_books(args.kjv), "python": python_files(args.python_dir, size["python_files"],
+                                                                size["min_doc_bytes"])}  # fmt: skip
+    docs = interleave(kinds)
+    corpus_dir = args.output_dir / "corpus"
+    write_corpus(docs, corpus_dir)
+    rows, eval_docs, train_bytes, validation_docs = evaluation_rows(
+        corpus_dir, docs, args.validation, size["eval_docs"], size["eval_doc_tokens"]
+    )
+    row_kinds = [d["kind"] for d in eval_docs]
+    tokens = size["steps"] * size["batch"] * size["window"]
+    print(f"corpus: {len(kinds['kjv'])} Bible books ({sum(len(t) for _, t in kinds['kjv']):,} bytes) + "
+          f"{len(kinds['python'])} Python files ({sum(len(t) for _, t in kinds['python']):,} bytes); "
+          f"{train_bytes:,} training bytes; validation documents: {validation_docs}; evaluated: {len(eval_docs)} x "
+          f"{size['eval_doc_tokens']} bytes ({', '.join(sorted(set(row_kinds)))})")  # fmt: skip
+    print(f"model {size['layers']} x {size['hidden']}, {size['heads']} heads, segment {size['segment']}; "
+          f"budget per run: {size['steps']} steps x {size['batch']} x {size['window']} = {tokens:,} tokens; "
+          f"{len(configs)} configurations x {len(args.seeds)} seeds")  # fmt: skip
+    report = new_record(argv, args, configs, kinds, (eval_docs, validation_docs, train_bytes))
     if args.update:
         report = updated_record(report, args.json)
     from longrange.commands import evaluate, train

@@ -37,8 +37,8 @@ expand):
   sinkhorn family (causal): top1, top2 (`n_top_buckets`), top4, local (every head local attention: what routing
     adds), llama, gpt2 (transformers' GPT-2: full attention with learned absolute positions, as Sinkhorn's;
     Llama's are rotary), reference (sinkhorn-transformer 0.11.4, same options); routing variants of top2:
-    top2_unweighted (`weight_routed_values=False`: routed values at full strength) and top2_unweighted_local2
-    (the same with half the heads local attention).
+    top2_unweighted (`weight_routed_values=False`: routed values at full strength), top4_unweighted, and
+    top2_unweighted_local2 (half the heads local attention).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
     (transformers' BERT, full attention).
 
@@ -220,6 +220,7 @@ def family_specs(family: str, args) -> dict[str, Spec]:
         specs += [
             # routed values at full strength (a straight-through routing weight) instead of times the weight
             Spec("top2_unweighted", "sinkhorn", dict(n_top_buckets=2, weight_routed_values=False)),
+            Spec("top4_unweighted", "sinkhorn", dict(n_top_buckets=4, weight_routed_values=False)),
             # half the heads local (a previous-token / copying path), half routed at full strength
             Spec(
                 "top2_unweighted_local2",
