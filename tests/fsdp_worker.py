@@ -107,6 +107,9 @@ def main() -> None:
     if rank == 0:
         torch.save({"losses": losses, "weights": weights, "world": world}, args.out)
     if distributed:
+        # both ranks reach the end before the group is torn down: rank 1 tearing gloo down while rank 0 still
+        # saved once aborted the process ("terminate called without an active exception", 1 run in many)
+        dist.barrier()
         dist.destroy_process_group()
 
 
