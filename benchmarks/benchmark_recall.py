@@ -38,7 +38,8 @@ expand):
     adds), llama, gpt2 (transformers' GPT-2: full attention with learned absolute positions, as Sinkhorn's;
     Llama's are rotary), reference (sinkhorn-transformer 0.11.4, same options); routing variants of top2:
     top2_unweighted (`weight_routed_values=False`: routed values at full strength), top4_unweighted, and
-    top2_unweighted_local2 (half the heads local attention).
+    top2_unweighted_local2 (half the heads local attention); a diagnostic, top2_oracle (top2_unweighted whose sort
+    net is told the buckets holding the passkey, in training and evaluation: recall with perfect routing).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
     (transformers' BERT, full attention).
 
@@ -180,6 +181,7 @@ class Spec:
     kind: str  # compressive / llama / ref_compressive / sinkhorn / ref_sinkhorn / masked / bert
     options: dict = field(default_factory=dict)
     window: int | None = None  # the model sees only the last `window` tokens (each segment alone)
+    oracle: bool = False  # a diagnostic: the sort net is told the fact's buckets (see `oracle_routing`)
 
 
 def family_specs(family: str, args) -> dict[str, Spec]:
@@ -228,6 +230,8 @@ def family_specs(family: str, args) -> dict[str, Spec]:
                 dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
             ),
             Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
+            # perfect routing: what the attention inside the chosen buckets can do when the choice is right
+            Spec("top2_oracle", "sinkhorn", dict(n_top_buckets=2, weight_routed_values=False), oracle=True),
             Spec("llama", "llama"),
             # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
             Spec("gpt2", "gpt2"),
@@ -332,7 +336,44 @@ def reference_compressive_forward(model, ids: torch.Tensor):
     return torch.cat(logits, 1), aux
 
 
+@contextlib.contextmanager
+def oracle_routing(spec: Spec, model, facts: torch.Tensor):
+    """A diagnostic for `spec.oracle` models (a no-op otherwise): while inside, every causal Sinkhorn group's
+    routing scores get +1e4 on the candidate columns of the buckets that hold the facts, so every query bucket
+    after them picks them (top-k keeps them first) and their routing weights carry no gradient. Passkey facts span
+    at most 2 buckets, so with n_top_buckets >= 2 the routing is perfect: the accuracy then measures what the
+    attention inside the chosen buckets learns when the choice is always right."""
+    if not spec.oracle:
+        yield
+        return
+    from longrange.sinkhorn_heads import CausalSinkhornHeads
+
+    original, size = CausalSinkhornHeads._select, model.config.bucket_size
+
+    def select(self, scores, valid, n_sel):
+        b = facts.shape[0]
+        # one group alone, or `causal_pair`'s doubled batch: ordinary rows (offset 0), then shifted rows (offset 1)
+        offsets = [self.offset] if scores.shape[0] == b else [0, 1]
+        bonus = torch.zeros_like(scores)
+        for i, offset in enumerate(offsets):
+            columns = self.n_top + (facts + offset) // size  # the null buckets come first among the candidates
+            index = columns[:, None, None, :].expand(-1, scores.shape[1], scores.shape[2], -1)
+            bonus[i * b : (i + 1) * b].scatter_(-1, index, 1e4)
+        return original(self, scores + bonus, valid, n_sel)
+
+    CausalSinkhornHeads._select = select
+    try:
+        yield
+    finally:
+        CausalSinkhornHeads._select = original
+
+
 def training_loss(spec: Spec, model, batch: Batch) -> torch.Tensor:
+    with oracle_routing(spec, model, batch.facts):
+        return _training_loss(spec, model, batch)
+
+
+def _training_loss(spec: Spec, model, batch: Batch) -> torch.Tensor:
     ids, at, targets = model_inputs(spec, batch)
     if spec.kind == "ref_compressive":
         logits, aux = reference_compressive_forward(model, ids)
@@ -359,14 +400,15 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
         for chunk in split(batch, args.eval_batch):
             ids, at, targets = model_inputs(spec, chunk)
             probe = spec.kind in ("sinkhorn", "masked")
-            result = answer_logits(spec, model, ids, at, **({"output_attentions": True} if probe else {}))
+            with oracle_routing(spec, model, chunk.facts):
+                result = answer_logits(spec, model, ids, at, **({"output_attentions": True} if probe else {}))
             logits, full = result if probe else (result, None)
             correct = logits.argmax(-1) == targets
             predicting = chunk.answers if spec.kind in ("masked", "bert") else chunk.answers - 1
             tally(out, correct, region(predicting, chunk.facts), chunk.answers - chunk.facts, names, args)
             if probe:
                 count_picks(out, full.routing, model.config, predicting, chunk.facts, region, correct)
-            if args.task == "passkey" and spec.kind in ("compressive", "sinkhorn", "llama", "gpt2"):
+            if args.task == "passkey" and spec.kind in ("compressive", "sinkhorn", "llama", "gpt2") and not spec.oracle:
                 generated_accuracy(out, spec, model, chunk, logits, region, names, args)
     model.train()
     return finish(out)
@@ -743,6 +785,8 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"--models: unknown for the {args.family} family: {unknown}; known: {sorted(names)}")
     args.models = list(dict.fromkeys(chosen))
+    if args.task != "passkey" and any(names[m].oracle for m in args.models):
+        p.error("--models: the oracle routing needs --task passkey (its facts span at most 2 buckets)")
     geometry = args.segment if args.family == "compressive" else args.bucket
     if args.length % geometry:
         p.error(

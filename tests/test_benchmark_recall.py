@@ -124,3 +124,27 @@ def test_curriculum_keeps_facts_near_and_grows(bench):
     batch = bench.mqar(torch.Generator().manual_seed(0), 64, 256, pairs=4, max_back=24)
     query = 256 - 9  # QUERY, then 4 keys and values
     assert ((query - batch.facts) <= 24).all() and (batch.facts < query).all()
+
+
+@pytest.mark.parametrize("width", [["--heads", "4"], ["--hidden", "48", "--heads", "3"]])  # paired / lone groups
+def test_oracle_routing_picks_the_fact_buckets_and_leaves_the_model_alone(bench, width):
+    from longrange.sinkhorn_heads import CausalSinkhornHeads
+
+    args = bench.parse_args(["--family", "sinkhorn", "--length", "128", "--layers", "1", *width])
+    spec = bench.family_specs("sinkhorn", args)["top2_oracle"]
+    torch.manual_seed(0)
+    model = bench.build(spec, args).eval()
+    batch = bench.passkey(torch.Generator().manual_seed(3), 8, 128)
+    original = CausalSinkhornHeads._select
+    with torch.no_grad(), bench.oracle_routing(spec, model, batch.facts):
+        routing = model(input_ids=batch.ids, use_cache=False, output_attentions=True).routing[0]
+    assert CausalSinkhornHeads._select is original
+    for head, offset in enumerate(routing.offsets.tolist()):  # every head of every query bucket after the facts
+        fact_buckets = (batch.facts + offset) // 16  # [b, 4]
+        for row in range(8):
+            for u in range(int(fact_buckets[row].max()) + 1, (127 + offset) // 16 + 1):  # to the last token's
+                picked = set(routing.key_buckets[row, head, u].tolist())
+                assert set(fact_buckets[row].tolist()) <= picked, (head, row, u)
+    with torch.no_grad():  # outside the context the sort net chooses as it likes
+        free = model(input_ids=batch.ids, use_cache=False, output_attentions=True).routing[0]
+    assert not torch.equal(free.key_buckets, routing.key_buckets)
