@@ -39,7 +39,9 @@ expand):
     Llama's are rotary), reference (sinkhorn-transformer 0.11.4, same options); routing variants of top2:
     top2_unweighted (`weight_routed_values=False`: routed values at full strength), top4_unweighted, and
     top2_unweighted_local2 (half the heads local attention); a diagnostic, top2_oracle (top2_unweighted whose sort
-    net is told the buckets holding the passkey, in training and evaluation: recall with perfect routing).
+    net is told the buckets holding the passkey, in training and evaluation: recall with perfect routing), and two
+    one-change variants of it: top2_oracle_rowpos (one learned position row per position, not axial) and
+    top2_oracle_local2 (half the heads local attention).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
     (transformers' BERT, full attention).
 
@@ -232,6 +234,20 @@ def family_specs(family: str, args) -> dict[str, Spec]:
             Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
             # perfect routing: what the attention inside the chosen buckets can do when the choice is right
             Spec("top2_oracle", "sinkhorn", dict(n_top_buckets=2, weight_routed_values=False), oracle=True),
+            # ... with one learned position row per position instead of the axial (bucket + offset) rows
+            Spec(
+                "top2_oracle_rowpos",
+                "sinkhorn",
+                dict(n_top_buckets=2, weight_routed_values=False, axial_position_embeddings=False),
+                oracle=True,
+            ),  # fmt: skip
+            # ... with half the heads local: every token also sees the previous bucket
+            Spec(
+                "top2_oracle_local2",
+                "sinkhorn",
+                dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
+                oracle=True,
+            ),  # fmt: skip
             Spec("llama", "llama"),
             # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
             Spec("gpt2", "gpt2"),
