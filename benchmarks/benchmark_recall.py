@@ -712,12 +712,23 @@ def plot(record: dict, path: Path) -> None:
     groups: dict[tuple, dict[str, list]] = {}
     for run in record["runs"].values():
         groups.setdefault((run["family"], run["task"], run["length"]), {}).setdefault(run["model"], []).append(run)
-    keys = sorted(groups)
-    fig, axes = plt.subplots(1, len(keys), figsize=(6.0 * len(keys), 5.0), squeeze=False)
+    # one row per task, one column per family and length; a panel per (family, task, length) that ran
+    tasks = sorted({key[1] for key in groups}, key=list(TASKS).index)
+    columns = sorted({(key[0], key[2]) for key in groups})
+    fig, axes = plt.subplots(len(tasks), len(columns), figsize=(6.0 * len(columns), 7.0 * len(tasks)),
+                             squeeze=False, layout="constrained")  # fmt: skip
+    for ax in axes.flat:
+        ax.set_axis_off()
     colors = plt.get_cmap("tab20").colors
-    for ax, key in zip(axes[0], keys):
+    named = {}  # family -> its models in order: a model keeps its colour in every panel
+    for (family, _, _), models in groups.items():
+        named[family] = sorted(set(named.get(family, [])) | set(models), key=lambda name: model_order(family, name))
+    for key in sorted(groups):
+        ax = axes[tasks.index(key[1]), columns.index((key[0], key[2]))]
+        ax.set_axis_on()
         # the family's main models solid, variants and the ablation dashed; one colour per model
-        for i, name in enumerate(sorted(groups[key], key=lambda name: model_order(key[0], name))):
+        for name in sorted(groups[key], key=lambda name: model_order(key[0], name)):
+            i = named[key[0]].index(name)
             main = name in DEFAULT_MODELS[key[0]]
             runs = groups[key][name]
             bins = len(runs[0]["bins"])
@@ -739,7 +750,6 @@ def plot(record: dict, path: Path) -> None:
         ax.set(title=f"{key[0]} family: {key[1]}, {key[2]} tokens", xlabel="distance from fact to answer (tokens)",
                ylabel="accuracy per answer token", ylim=(0, 1.02))  # fmt: skip
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    fig.tight_layout(w_pad=3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
