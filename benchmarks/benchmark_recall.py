@@ -41,9 +41,10 @@ expand):
     top2_unweighted_local2 (half the heads local attention); a diagnostic, top2_oracle (top2_unweighted whose sort
     net is told the buckets holding the passkey, in training and evaluation: recall with perfect routing), and two
     one-change variants of it: top2_oracle_rowpos (one learned position row per position, not axial) and
-    top2_oracle_local2 (half the heads local attention).
+    top2_oracle_local2 (half the heads local attention); top2_unweighted_local2_oracle1000 (top2_unweighted_local2
+    with the oracle in its first 1,000 training steps only, evaluated with its own routing).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
-    (transformers' BERT, full attention).
+    (transformers' BERT, full attention); masked_unweighted, sortcut_unweighted (`weight_routed_values=False`).
 
 Also measured: `generate()` with the model's own cache (passkey, causal models of ours and Llama): the prompt ends at
 QUERY, 4 greedy tokens are scored (`gen_*` columns; `gen_agree`: the first generated digit equals the forward's
@@ -184,6 +185,7 @@ class Spec:
     options: dict = field(default_factory=dict)
     window: int | None = None  # the model sees only the last `window` tokens (each segment alone)
     oracle: bool = False  # a diagnostic: the sort net is told the fact's buckets (see `oracle_routing`)
+    oracle_steps: int | None = None  # ... only in the first this many training steps (evaluation: learned routing)
 
 
 def family_specs(family: str, args) -> dict[str, Spec]:
@@ -248,6 +250,14 @@ def family_specs(family: str, args) -> dict[str, Spec]:
                 dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
                 oracle=True,
             ),  # fmt: skip
+            # learned routing with half the heads local, the oracle only in the first 1,000 training steps
+            Spec(
+                "top2_unweighted_local2_oracle1000",
+                "sinkhorn",
+                dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
+                oracle=True,
+                oracle_steps=1000,
+            ),
             Spec("llama", "llama"),
             # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
             Spec("gpt2", "gpt2"),
@@ -257,6 +267,8 @@ def family_specs(family: str, args) -> dict[str, Spec]:
         specs = [
             Spec("masked", "masked", dict(n_top_buckets=2)),
             Spec("sortcut", "masked", dict(n_top_buckets=2, n_sortcut=2)),
+            Spec("masked_unweighted", "masked", dict(n_top_buckets=2, weight_routed_values=False)),
+            Spec("sortcut_unweighted", "masked", dict(n_top_buckets=2, n_sortcut=2, weight_routed_values=False)),
             Spec("bert", "bert"),
         ]
     return {spec.name: spec for spec in specs}
@@ -352,14 +364,21 @@ def reference_compressive_forward(model, ids: torch.Tensor):
     return torch.cat(logits, 1), aux
 
 
+def oracle_on(spec: Spec, step: int | None = None) -> bool:
+    """Whether the oracle routing applies: at a training step, or in evaluation (step None)."""
+    if not spec.oracle:
+        return False
+    return spec.oracle_steps is None or (step is not None and step < spec.oracle_steps)
+
+
 @contextlib.contextmanager
-def oracle_routing(spec: Spec, model, facts: torch.Tensor):
-    """A diagnostic for `spec.oracle` models (a no-op otherwise): while inside, every causal Sinkhorn group's
+def oracle_routing(model, facts: torch.Tensor, active: bool):
+    """A diagnostic for `Spec.oracle` models (a no-op unless `active`): while inside, every causal Sinkhorn group's
     routing scores get +1e4 on the candidate columns of the buckets that hold the facts, so every query bucket
     after them picks them (top-k keeps them first) and their routing weights carry no gradient. Passkey facts span
     at most 2 buckets, so with n_top_buckets >= 2 the routing is perfect: the accuracy then measures what the
     attention inside the chosen buckets learns when the choice is always right."""
-    if not spec.oracle:
+    if not active:
         yield
         return
     from longrange.sinkhorn_heads import CausalSinkhornHeads
@@ -384,8 +403,8 @@ def oracle_routing(spec: Spec, model, facts: torch.Tensor):
         CausalSinkhornHeads._select = original
 
 
-def training_loss(spec: Spec, model, batch: Batch) -> torch.Tensor:
-    with oracle_routing(spec, model, batch.facts):
+def training_loss(spec: Spec, model, batch: Batch, step: int = 0) -> torch.Tensor:
+    with oracle_routing(model, batch.facts, oracle_on(spec, step)):
         return _training_loss(spec, model, batch)
 
 
@@ -416,7 +435,7 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
         for chunk in split(batch, args.eval_batch):
             ids, at, targets = model_inputs(spec, chunk)
             probe = spec.kind in ("sinkhorn", "masked")
-            with oracle_routing(spec, model, chunk.facts):
+            with oracle_routing(model, chunk.facts, oracle_on(spec)):
                 result = answer_logits(spec, model, ids, at, **({"output_attentions": True} if probe else {}))
             logits, full = result if probe else (result, None)
             correct = logits.argmax(-1) == targets
@@ -424,7 +443,11 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
             tally(out, correct, region(predicting, chunk.facts), chunk.answers - chunk.facts, names, args)
             if probe:
                 count_picks(out, full.routing, model.config, predicting, chunk.facts, region, correct)
-            if args.task == "passkey" and spec.kind in ("compressive", "sinkhorn", "llama", "gpt2") and not spec.oracle:
+            if (
+                args.task == "passkey"
+                and spec.kind in ("compressive", "sinkhorn", "llama", "gpt2")
+                and not oracle_on(spec)
+            ):
                 generated_accuracy(out, spec, model, chunk, logits, region, names, args)
     model.train()
     return finish(out)
@@ -563,7 +586,7 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
     bar = tqdm(range(args.steps), desc=f"{family}/{args.task}/{spec.name} seed {seed}", disable=args.no_progress)
     for step in bar:
         batch = to_device(task(gen, args.batch, args.length, args.pairs, curriculum_reach(step, args)), args.device)
-        loss = training_loss(spec, model, batch)
+        loss = training_loss(spec, model, batch, step)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -136,7 +136,7 @@ def test_oracle_routing_picks_the_fact_buckets_and_leaves_the_model_alone(bench,
     model = bench.build(spec, args).eval()
     batch = bench.passkey(torch.Generator().manual_seed(3), 8, 128)
     original = CausalSinkhornHeads._select
-    with torch.no_grad(), bench.oracle_routing(spec, model, batch.facts):
+    with torch.no_grad(), bench.oracle_routing(model, batch.facts, bench.oracle_on(spec)):
         routing = model(input_ids=batch.ids, use_cache=False, output_attentions=True).routing[0]
     assert CausalSinkhornHeads._select is original
     for head, offset in enumerate(routing.offsets.tolist()):  # every head of every query bucket after the facts
@@ -148,3 +148,11 @@ def test_oracle_routing_picks_the_fact_buckets_and_leaves_the_model_alone(bench,
     with torch.no_grad():  # outside the context the sort net chooses as it likes
         free = model(input_ids=batch.ids, use_cache=False, output_attentions=True).routing[0]
     assert not torch.equal(free.key_buckets, routing.key_buckets)
+
+
+def test_oracle_for_the_first_steps_only_evaluates_the_learned_routing(bench):
+    specs = bench.family_specs("sinkhorn", bench.parse_args(["--family", "sinkhorn"]))
+    warm = specs["top2_unweighted_local2_oracle1000"]
+    assert [bench.oracle_on(warm, s) for s in (0, 999, 1000)] == [True, True, False] and not bench.oracle_on(warm)
+    assert bench.oracle_on(specs["top2_oracle"]) and bench.oracle_on(specs["top2_oracle"], 5000)
+    assert not bench.oracle_on(specs["top2_unweighted"], 0)
