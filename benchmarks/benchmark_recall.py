@@ -41,7 +41,8 @@ expand):
     top2_unweighted_local2 (half the heads local attention); a diagnostic, top2_oracle (top2_unweighted whose sort
     net is told the buckets holding the passkey, in training and evaluation: recall with perfect routing), and two
     one-change variants of it: top2_oracle_rowpos (one learned position row per position, not axial) and
-    top2_oracle_local2 (half the heads local attention); top2_unweighted_local2_oracle1000 (top2_unweighted_local2
+    top2_oracle_local2 (half the heads local attention); top2_unweighted_rowpos (learned routing, one position row
+    per position); top2_unweighted_local2_oracle1000 (top2_unweighted_local2
     with the oracle in its first 1,000 training steps only, evaluated with its own routing).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
     (transformers' BERT, full attention); masked_unweighted, sortcut_unweighted (`weight_routed_values=False`).
@@ -250,6 +251,12 @@ def family_specs(family: str, args) -> dict[str, Spec]:
                 dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
                 oracle=True,
             ),  # fmt: skip
+            # learned routing with one learned position row per position (not axial)
+            Spec(
+                "top2_unweighted_rowpos",
+                "sinkhorn",
+                dict(n_top_buckets=2, weight_routed_values=False, axial_position_embeddings=False),
+            ),
             # learned routing with half the heads local, the oracle only in the first 1,000 training steps
             Spec(
                 "top2_unweighted_local2_oracle1000",
