@@ -91,6 +91,7 @@ MQAR_KEYS = range(13, 37)
 FILLER = range(37, 64)
 PASSKEY_FILLER = range(13, 64)
 VOCAB = 64
+STEPS = 2000  # the default training budget
 DIGITS = 4
 
 
@@ -636,7 +637,9 @@ def to_device(batch: Batch, device: str) -> Batch:
 
 
 def record_name(model: str, args) -> str:
-    return f"{model}+curriculum{args.curriculum}" if args.curriculum else model
+    """The model's name in the record: with `+curriculum<N>` and, for a budget other than the default, `+steps<N>`."""
+    name = f"{model}+curriculum{args.curriculum}" if args.curriculum else model
+    return name if args.steps == STEPS or args.quick else f"{name}+steps{args.steps}"
 
 
 def run_key(family: str, args, model: str, seed: int) -> str:
@@ -796,7 +799,9 @@ def parse_args(argv=None):
     p.add_argument("--task", choices=tuple(TASKS), default="passkey")
     p.add_argument("--models", nargs="+", help="names, or `ablation` / `all` (default: the family's main set)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument(
+        "--steps", type=int, default=STEPS, help="training steps (another budget is recorded as <model>+steps<N>)"
+    )
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--length", type=int, help="tokens per sequence (default 160; sinkhorn and masked 256)")
     p.add_argument("--hidden", type=int, default=64)
