@@ -667,14 +667,23 @@ def versions() -> dict:
     return out
 
 
-def summarise(record: dict) -> str:
-    """Markdown: one table per family, task and length; each model's mean accuracy over seeds per region (and the
-    seeds' range), then the sort net's pick rate along training where it was measured."""
+FAMILIES = ("compressive", "sinkhorn", "masked")
+
+
+def panels(record: dict) -> dict[tuple, dict[str, list]]:
+    """The record's runs by (family, task, length), then model: families and tasks in their order, lengths up."""
     groups: dict[tuple, dict[str, list]] = {}
     for run in record["runs"].values():
         groups.setdefault((run["family"], run["task"], run["length"]), {}).setdefault(run["model"], []).append(run)
+    order = sorted(groups, key=lambda key: (FAMILIES.index(key[0]), list(TASKS).index(key[1]), key[2]))
+    return {key: groups[key] for key in order}
+
+
+def summarise(record: dict) -> str:
+    """Markdown: one table per family, task and length; each model's mean accuracy over seeds per region (and the
+    seeds' range), then the sort net's pick rate along training where it was measured."""
     lines = []
-    for (family, task, length), models in sorted(groups.items()):
+    for (family, task, length), models in panels(record).items():
         models = {name: models[name] for name in sorted(models, key=lambda name: model_order(family, name))}
         regions = list(next(iter(models.values()))[0]["accuracy"])
         far = [k for k in regions if any(r["count"][k] for runs in models.values() for r in runs)][-1]
@@ -742,12 +751,10 @@ def plot(record: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[tuple, dict[str, list]] = {}
-    for run in record["runs"].values():
-        groups.setdefault((run["family"], run["task"], run["length"]), {}).setdefault(run["model"], []).append(run)
+    groups = panels(record)
     # one row per task, one column per family and length; a panel per (family, task, length) that ran
     tasks = sorted({key[1] for key in groups}, key=list(TASKS).index)
-    columns = sorted({(key[0], key[2]) for key in groups})
+    columns = list(dict.fromkeys((key[0], key[2]) for key in groups))
     fig, axes = plt.subplots(len(tasks), len(columns), figsize=(6.0 * len(columns), 7.0 * len(tasks)),
                              squeeze=False, layout="constrained")  # fmt: skip
     for ax in axes.flat:
@@ -756,7 +763,7 @@ def plot(record: dict, path: Path) -> None:
     named = {}  # family -> its models in order: a model keeps its colour in every panel
     for (family, _, _), models in groups.items():
         named[family] = sorted(set(named.get(family, [])) | set(models), key=lambda name: model_order(family, name))
-    for key in sorted(groups):
+    for key in groups:
         ax = axes[tasks.index(key[1]), columns.index((key[0], key[2]))]
         ax.set_axis_on()
         # the family's main models solid, variants and the ablation dashed; one colour per model
@@ -795,7 +802,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--family", choices=("compressive", "sinkhorn", "masked"), default="compressive")
+    p.add_argument("--family", choices=FAMILIES, default="compressive")
     p.add_argument("--task", choices=tuple(TASKS), default="passkey")
     p.add_argument("--models", nargs="+", help="names, or `ablation` / `all` (default: the family's main set)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
