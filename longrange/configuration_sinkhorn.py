@@ -81,8 +81,8 @@ class SinkhornConfig(PreTrainedConfig):
         axial_position_embeddings: positions embedded axially, as sinkhorn-transformer does: position p gets
             `per_bucket[p // bucket_size] + in_bucket[p % bucket_size]` (two tables of `ceil(max_position_embeddings
             / bucket_size)` and `bucket_size` rows) instead of one learned row per position. Default True: over
-            1,200 training steps it learns clearly faster than one row per position (README, "Sinkhorn parity");
-            False gives one learned row per position (the earlier default; saved configs keep their value).
+            1,200 training steps it learns text clearly faster than one row per position (docs, "Sinkhorn parity");
+            False (one learned row per position) retrieves far better: passkey recall 0.30 / 0.47 (unweighted).
 
     Sinkhorn attention
         bucket_size: tokens per bucket. Inputs of any length are padded to a multiple internally (padding masked,
