@@ -727,12 +727,13 @@ def pick_curves(models: dict[str, list]) -> list[str]:
     ]
     if not runs:
         return []
-    steps = [point["step"] for point in runs[0][1]["curve"]]
+    steps = sorted({point["step"] for _, run in runs for point in run["curve"]})  # budgets may differ
     lines = ["\npick rate / accuracy in the farthest region, along training\n",
              "| model, seed | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]  # fmt: skip
     for name, run in runs:
         far = list(run["accuracy"])[-1]
-        cells = [f"{p.get('pick_rate') or 0:.2f} / {p['accuracy'][far] or 0:.2f}" for p in run["curve"]]
+        at = {p["step"]: f"{p.get('pick_rate') or 0:.2f} / {p['accuracy'][far] or 0:.2f}" for p in run["curve"]}
+        cells = [at.get(step, "") for step in steps]
         lines.append(f"| {name}, {run['seed']} | " + " | ".join(cells) + " |")
     return lines
 
