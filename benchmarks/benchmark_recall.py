@@ -191,95 +191,69 @@ class Spec:
 
 
 def family_specs(family: str, args) -> dict[str, Spec]:
+    build_specs = {"compressive": compressive_specs, "sinkhorn": sinkhorn_specs, "masked": masked_specs}[family]
+    return {spec.name: spec for spec in build_specs(args)}
+
+
+def compressive_specs(args) -> list[Spec]:
     mem, cmem, rate = args.mem, args.c_mem, args.rate
-    if family == "compressive":
-        base = dict(mem_len=mem, c_mem_len=cmem, compression_rate=rate)
-        specs = [
-            Spec("compressive", "compressive", base),
-            Spec(
-                "txl",
-                "compressive",
-                dict(mem_len=mem, c_mem_len=0, compression_function="mean_pool", reconstruction_loss="none"),
-            ),
-            Spec(
-                "txl_reach",
-                "compressive",
-                dict(
-                    mem_len=mem + cmem * rate, c_mem_len=0, compression_function="mean_pool", reconstruction_loss="none"
-                ),
-            ),
-            Spec("alone", "compressive", base, window=args.segment),
-            Spec("llama", "llama"),
-            Spec("reference", "ref_compressive"),
-        ]
-        ablation = {
-            "conv1d_autoencoding": ("conv1d", "autoencoding"),
-            "conv1d_none": ("conv1d", "none"),
-            "dilated_conv_attention": ("dilated_conv", "attention"),
-            "dilated_conv_autoencoding": ("dilated_conv", "autoencoding"),
-            "max_pool": ("max_pool", "none"),
-            "mean_pool": ("mean_pool", "none"),
-            "most_used": ("most_used", "none"),
-        }
-        for name, (fn, loss) in ablation.items():
-            specs.append(Spec(name, "compressive", dict(base, compression_function=fn, reconstruction_loss=loss)))
-    elif family == "sinkhorn":
-        specs = [Spec(f"top{n}", "sinkhorn", dict(n_top_buckets=n)) for n in (1, 2, 4)]
-        specs += [
-            # routed values at full strength (a straight-through routing weight) instead of times the weight
-            Spec("top2_unweighted", "sinkhorn", dict(n_top_buckets=2, weight_routed_values=False)),
-            Spec("top4_unweighted", "sinkhorn", dict(n_top_buckets=4, weight_routed_values=False)),
-            # half the heads local (a previous-token / copying path), half routed at full strength
-            Spec(
-                "top2_unweighted_local2",
-                "sinkhorn",
-                dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
-            ),
-            Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
-            # perfect routing: what the attention inside the chosen buckets can do when the choice is right
-            Spec("top2_oracle", "sinkhorn", dict(n_top_buckets=2, weight_routed_values=False), oracle=True),
-            # ... with one learned position row per position instead of the axial (bucket + offset) rows
-            Spec(
-                "top2_oracle_rowpos",
-                "sinkhorn",
-                dict(n_top_buckets=2, weight_routed_values=False, axial_position_embeddings=False),
-                oracle=True,
-            ),  # fmt: skip
-            # ... with half the heads local: every token also sees the previous bucket
-            Spec(
-                "top2_oracle_local2",
-                "sinkhorn",
-                dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
-                oracle=True,
-            ),  # fmt: skip
-            # learned routing with one learned position row per position (not axial)
-            Spec(
-                "top2_unweighted_rowpos",
-                "sinkhorn",
-                dict(n_top_buckets=2, weight_routed_values=False, axial_position_embeddings=False),
-            ),
-            # learned routing with half the heads local, the oracle only in the first 1,000 training steps
-            Spec(
-                "top2_unweighted_local2_oracle1000",
-                "sinkhorn",
-                dict(n_top_buckets=2, weight_routed_values=False, n_local_attn_heads=args.heads // 2),
-                oracle=True,
-                oracle_steps=1000,
-            ),
-            Spec("llama", "llama"),
-            # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
-            Spec("gpt2", "gpt2"),
-            Spec("reference", "ref_sinkhorn", dict(n_top_buckets=2)),
-        ]
-    else:
-        specs = [
-            Spec("masked", "masked", dict(n_top_buckets=2)),
-            Spec("sortcut", "masked", dict(n_top_buckets=2, n_sortcut=2)),
-            Spec("masked_unweighted", "masked", dict(n_top_buckets=2, weight_routed_values=False)),
-            Spec("sortcut_unweighted", "masked", dict(n_top_buckets=2, n_sortcut=2, weight_routed_values=False)),
-            Spec("bert", "bert"),
-        ]
-    return {spec.name: spec for spec in specs}
+    base = dict(mem_len=mem, c_mem_len=cmem, compression_rate=rate)
+    no_compression = dict(c_mem_len=0, compression_function="mean_pool", reconstruction_loss="none")
+    specs = [
+        Spec("compressive", "compressive", base),
+        Spec("txl", "compressive", dict(no_compression, mem_len=mem)),
+        Spec("txl_reach", "compressive", dict(no_compression, mem_len=mem + cmem * rate)),
+        Spec("alone", "compressive", base, window=args.segment),
+        Spec("llama", "llama"),
+        Spec("reference", "ref_compressive"),
+    ]
+    ablation = {
+        "conv1d_autoencoding": ("conv1d", "autoencoding"),
+        "conv1d_none": ("conv1d", "none"),
+        "dilated_conv_attention": ("dilated_conv", "attention"),
+        "dilated_conv_autoencoding": ("dilated_conv", "autoencoding"),
+        "max_pool": ("max_pool", "none"),
+        "mean_pool": ("mean_pool", "none"),
+        "most_used": ("most_used", "none"),
+    }
+    for name, (fn, loss) in ablation.items():
+        specs.append(Spec(name, "compressive", dict(base, compression_function=fn, reconstruction_loss=loss)))
+    return specs
+
+
+def sinkhorn_specs(args) -> list[Spec]:
+    # routed values at full strength (a straight-through routing weight) instead of times the routing weight
+    unweighted = dict(n_top_buckets=2, weight_routed_values=False)
+    local2 = dict(unweighted, n_local_attn_heads=args.heads // 2)  # half the heads local: the previous bucket too
+    rowpos = dict(unweighted, axial_position_embeddings=False)  # one learned row per position, not axial rows
+    return [
+        *(Spec(f"top{n}", "sinkhorn", dict(n_top_buckets=n)) for n in (1, 2, 4)),
+        Spec("top2_unweighted", "sinkhorn", unweighted),
+        Spec("top4_unweighted", "sinkhorn", dict(unweighted, n_top_buckets=4)),
+        Spec("top2_unweighted_local2", "sinkhorn", local2),
+        Spec("top2_unweighted_rowpos", "sinkhorn", rowpos),
+        Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
+        # perfect routing: what the attention inside the chosen buckets can do when the choice is right
+        Spec("top2_oracle", "sinkhorn", unweighted, oracle=True),
+        Spec("top2_oracle_rowpos", "sinkhorn", rowpos, oracle=True),
+        Spec("top2_oracle_local2", "sinkhorn", local2, oracle=True),
+        # learned routing, the oracle only in the first 1,000 training steps
+        Spec("top2_unweighted_local2_oracle1000", "sinkhorn", local2, oracle=True, oracle_steps=1000),
+        Spec("llama", "llama"),
+        # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
+        Spec("gpt2", "gpt2"),
+        Spec("reference", "ref_sinkhorn", dict(n_top_buckets=2)),
+    ]
+
+
+def masked_specs(args) -> list[Spec]:
+    return [
+        Spec("masked", "masked", dict(n_top_buckets=2)),
+        Spec("sortcut", "masked", dict(n_top_buckets=2, n_sortcut=2)),
+        Spec("masked_unweighted", "masked", dict(n_top_buckets=2, weight_routed_values=False)),
+        Spec("sortcut_unweighted", "masked", dict(n_top_buckets=2, n_sortcut=2, weight_routed_values=False)),
+        Spec("bert", "bert"),
+    ]
 
 
 DEFAULT_MODELS = {
