@@ -92,6 +92,7 @@ FILLER = range(37, 64)
 PASSKEY_FILLER = range(13, 64)
 VOCAB = 64
 STEPS = 2000  # the default training budget
+LR = 1e-3  # the default peak learning rate
 DIGITS = 4
 
 
@@ -581,7 +582,7 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
                 "loss": round(sum(losses[-args.eval_every :]) / len(losses[-args.eval_every :]), 4),
             }
             point.update(
-                {k: v for k, v in evaluate(spec, model, probe, args, family).items() if k in ("accuracy", "pick_rate")}
+                {k: v for k, v in evaluate(spec, model, probe, args, family).items() if k in ("accuracy", "pick_rate", "any_picked")}
             )
             curve.append(point)
             bar.set_postfix(loss=point["loss"], **{k[:6]: v for k, v in point["accuracy"].items()})
@@ -611,9 +612,13 @@ def to_device(batch: Batch, device: str) -> Batch:
 
 
 def record_name(model: str, args) -> str:
-    """The model's name in the record: with `+curriculum<N>` and, for a budget other than the default, `+steps<N>`."""
+    """The model's name in the record: with `+curriculum<N>` and, for a budget or peak learning rate other than the
+    defaults, `+steps<N>` and `+lr<X>`."""
     name = f"{model}+curriculum{args.curriculum}" if args.curriculum else model
-    return name if args.steps == STEPS or args.quick else f"{name}+steps{args.steps}"
+    if args.quick:
+        return name
+    name = name if args.steps == STEPS else f"{name}+steps{args.steps}"
+    return name if args.lr == LR else f"{name}+lr{args.lr:g}"
 
 
 def run_key(family: str, args, model: str, seed: int) -> str:
@@ -789,7 +794,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=LR, help="peak learning rate (another is recorded as <model>+lr<X>)")
     p.add_argument("--segment", type=int, default=32, help="compressive family: segment length")
     p.add_argument("--mem", type=int, default=32, help="compressive family: raw memories")
     p.add_argument("--c-mem", dest="c_mem", type=int, default=32, help="compressive family: compressed memories")

@@ -653,8 +653,8 @@ class SinkhornCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._apply(lambda t: t[indices])
 
-    def activate_past_recording(self) -> None:
-        """Nothing to switch on: keys, values and queries of every token are kept, so `crop` can always restore."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """Nothing to switch on (nor recurrent states to keep): every token's keys and values are kept for `crop`."""
 
     def reset(self) -> None:
         self.__init__(self.config, self.max_cache_len, self._compileable, self.static_steps)

@@ -120,6 +120,8 @@ def test_curriculum_keeps_facts_near_and_grows(bench):
     assert bench.curriculum_reach(100, args) is None and bench.record_name("top2", args) == "top2+curriculum100"
     longer = bench.parse_args(["--family", "sinkhorn", "--curriculum", "100", "--steps", "4000"])
     assert bench.record_name("top2", longer) == "top2+curriculum100+steps4000"
+    slower = bench.parse_args(["--family", "sinkhorn", "--steps", "6000", "--lr", "5e-4"])
+    assert bench.record_name("top2", slower) == "top2+steps6000+lr0.0005"
     batch = bench.passkey(torch.Generator().manual_seed(0), 256, 256, max_back=40)
     query = 256 - 5
     assert ((query - batch.facts[:, 0] + 1) <= 40).all() and batch.facts[:, 0].min() < query - 30
