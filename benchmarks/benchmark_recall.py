@@ -581,9 +581,8 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
                 "step": step + 1,
                 "loss": round(sum(losses[-args.eval_every :]) / len(losses[-args.eval_every :]), 4),
             }
-            point.update(
-                {k: v for k, v in evaluate(spec, model, probe, args, family).items() if k in ("accuracy", "pick_rate", "any_picked")}
-            )
+            probed = evaluate(spec, model, probe, args, family)
+            point.update({k: v for k, v in probed.items() if k in ("accuracy", "pick_rate", "any_picked")})
             curve.append(point)
             bar.set_postfix(loss=point["loss"], **{k[:6]: v for k, v in point["accuracy"].items()})
     train_seconds = time.perf_counter() - start
