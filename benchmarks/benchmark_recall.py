@@ -699,21 +699,27 @@ def model_order(family: str, name: str) -> tuple:
 
 
 def pick_curves(models: dict[str, list]) -> list[str]:
-    """Markdown rows: the pick rate and the accuracy in the farthest region at every evaluation along training."""
+    """Markdown rows: the pick rate (with the share of answers some head picked, where recorded) and the accuracy in
+    the farthest region at every evaluation along training."""
     runs = [
         (name, r) for name, rs in models.items() for r in rs if any(p.get("pick_rate") is not None for p in r["curve"])
     ]
     if not runs:
         return []
     steps = sorted({point["step"] for _, run in runs for point in run["curve"]})  # budgets may differ
-    lines = ["\npick rate / accuracy in the farthest region, along training\n",
+    lines = ["\npick rate (share of answers some head picked) / accuracy in the farthest region, along training\n",
              "| model, seed | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]  # fmt: skip
     for name, run in runs:
         far = list(run["accuracy"])[-1]
-        at = {p["step"]: f"{p.get('pick_rate') or 0:.2f} / {p['accuracy'][far] or 0:.2f}" for p in run["curve"]}
+        at = {p["step"]: pick_cell(p, far) for p in run["curve"]}
         cells = [at.get(step, "") for step in steps]
         lines.append(f"| {name}, {run['seed']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def pick_cell(point: dict, far: str) -> str:
+    share = "" if point.get("any_picked") is None else f" ({point['any_picked']:.2f})"
+    return f"{point.get('pick_rate') or 0:.2f}{share} / {point['accuracy'][far] or 0:.2f}"
 
 
 def mean_spread(values) -> str:

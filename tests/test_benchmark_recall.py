@@ -160,3 +160,16 @@ def test_oracle_for_the_first_steps_only_evaluates_the_learned_routing(bench):
     assert [bench.oracle_on(warm, s) for s in (0, 999, 1000)] == [True, True, False] and not bench.oracle_on(warm)
     assert bench.oracle_on(specs["top2_oracle"]) and bench.oracle_on(specs["top2_oracle"], 5000)
     assert not bench.oracle_on(specs["top2_unweighted"], 0)
+
+
+def test_pick_curves_show_the_picked_share_where_recorded(bench):
+    def point(step, pick, share=None):
+        p = {"step": step, "accuracy": {"own bucket": 1.0, "routed": 0.5}, "pick_rate": pick}
+        return p if share is None else {**p, "any_picked": share}
+
+    older = {"seed": 0, "accuracy": {"own bucket": 1.0, "routed": 0.5}, "curve": [point(250, 0.25)]}
+    newer = {"seed": 1, "accuracy": older["accuracy"], "curve": [point(250, 0.125, 0.75), point(500, 0.5, 1.0)]}
+    rows = bench.pick_curves({"top2": [older, newer], "llama": [{"seed": 0, "curve": [{"step": 250}]}]})
+    assert rows[1] == "| model, seed | step 250 | step 500 |" and len(rows) == 5  # every budget's steps; no llama
+    assert rows[3] == "| top2, 0 | 0.25 / 0.50 |  |"
+    assert rows[4] == "| top2, 1 | 0.12 (0.75) / 0.50 | 0.50 (1.00) / 0.50 |"
