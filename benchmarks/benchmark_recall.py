@@ -730,29 +730,55 @@ def mean_spread(values) -> str:
     return f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def plot(record: dict, path: Path) -> None:
+PANEL_KINDS = ("main set", "compression ablation", "variants", "perfect routing (diagnostic)", "longer training")
+BASELINES = {"compressive": ("compressive", "llama"), "sinkhorn": ("top2", "llama"), "masked": ("masked", "bert")}
+
+
+def panel_kind(family: str, name: str) -> str:
+    """Which panel of its (family, task, length) a model's line goes to, so that no panel is crowded."""
+    if name in DEFAULT_MODELS[family]:
+        return "main set"
+    if "oracle" in name:
+        return "perfect routing (diagnostic)"
+    if "+steps" in name or "+lr" in name:
+        return "longer training"
+    return "compression ablation" if name in ABLATION else "variants"
+
+
+def plot_panels(record: dict) -> list[tuple[tuple, str, list[str]]]:
+    """(family, task, length), panel kind, model names: a panel per kind that ran, in family, task and kind order;
+    a panel of variants also draws the family's default, its full-attention baseline and a longer run's base."""
+    out = []
+    for key, models in panels(record).items():
+        names = sorted(models, key=lambda name: model_order(key[0], name))
+        for kind in PANEL_KINDS:
+            chosen = [n for n in names if panel_kind(key[0], n) == kind]
+            if chosen and kind != "main set":  # for reference: the baselines and a longer run's own base
+                bases = [*BASELINES[key[0]], *(n.split("+")[0] for n in chosen)]
+                chosen = list(dict.fromkeys(n for n in bases if n in models and n not in chosen)) + chosen
+            if chosen:
+                out.append((key, kind, chosen))
+    return out
+
+
+def plot(record: dict, path: Path, columns: int = 3) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = panels(record)
-    # one row per task, one column per family and length; a panel per (family, task, length) that ran
-    tasks = sorted({key[1] for key in groups}, key=list(TASKS).index)
-    columns = list(dict.fromkeys((key[0], key[2]) for key in groups))
-    fig, axes = plt.subplots(len(tasks), len(columns), figsize=(6.0 * len(columns), 7.0 * len(tasks)),
-                             squeeze=False, layout="constrained")  # fmt: skip
-    for ax in axes.flat:
+    groups, wanted = panels(record), plot_panels(record)
+    rows = -(-len(wanted) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.0 * columns, 7.0 * rows), squeeze=False, layout="constrained")
+    for ax in axes.flat[len(wanted) :]:
         ax.set_axis_off()
     colors = plt.get_cmap("tab20").colors
     named = {}  # family -> its models in order: a model keeps its colour in every panel
     for (family, _, _), models in groups.items():
         named[family] = sorted(set(named.get(family, [])) | set(models), key=lambda name: model_order(family, name))
-    for key in groups:
-        ax = axes[tasks.index(key[1]), columns.index((key[0], key[2]))]
-        ax.set_axis_on()
+    for ax, (key, kind, names) in zip(axes.flat, wanted):
         # the family's main models solid, variants and the ablation dashed; one colour per model
-        for name in sorted(groups[key], key=lambda name: model_order(key[0], name)):
+        for name in names:
             i = named[key[0]].index(name)
             main = name in DEFAULT_MODELS[key[0]]
             runs = groups[key][name]
@@ -772,7 +798,7 @@ def plot(record: dict, path: Path) -> None:
             )  # fmt: skip
             ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
         ax.axhline(0.1, color="grey", lw=0.8, ls=":", label="chance")
-        ax.set(title=f"{key[0]} family: {key[1]}, {key[2]} tokens", xlabel="distance from fact to answer (tokens)",
+        ax.set(title=f"{key[0]} family: {key[1]}, {key[2]} tokens\n{kind}", xlabel="distance from fact to answer (tokens)",
                ylabel="accuracy per answer token", ylim=(0, 1.02))  # fmt: skip
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -173,3 +173,19 @@ def test_pick_curves_show_the_picked_share_where_recorded(bench):
     assert rows[1] == "| model, seed | step 250 | step 500 |" and len(rows) == 5  # every budget's steps; no llama
     assert rows[3] == "| top2, 0 | 0.25 / 0.50 |  |"
     assert rows[4] == "| top2, 1 | 0.12 (0.75) / 0.50 | 0.50 (1.00) / 0.50 |"
+
+
+def test_plot_panels_keep_variants_apart_with_their_references(bench):
+    def run(model, task="passkey"):
+        return {"family": "sinkhorn", "task": task, "length": 256, "model": model}
+
+    names = ["top1", "llama", "top2", "top2_oracle", "top2_unweighted", "top2_unweighted+steps4000", "gpt2"]
+    record = {"runs": {str(i): run(m) for i, m in enumerate(names)} | {"m": run("top2", "mqar")}}
+    got = [(key[1], kind, models) for key, kind, models in bench.plot_panels(record)]
+    assert got == [
+        ("passkey", "main set", ["top1", "top2", "llama"]),
+        ("passkey", "variants", ["top2", "llama", "gpt2", "top2_unweighted"]),  # others by name
+        ("passkey", "perfect routing (diagnostic)", ["top2", "llama", "top2_oracle"]),
+        ("passkey", "longer training", ["top2", "llama", "top2_unweighted", "top2_unweighted+steps4000"]),
+        ("mqar", "main set", ["top2"]),
+    ]
