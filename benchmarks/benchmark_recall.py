@@ -761,13 +761,29 @@ def plot_panels(record: dict) -> list[tuple[tuple, str, list[str]]]:
     return out
 
 
-def plot(record: dict, path: Path, columns: int = 3) -> None:
+def variants_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}_variants{path.suffix}")
+
+
+def plot(record: dict, path: Path) -> list[Path]:
+    """The main sets' panels to `path`, every other kind's to `variants_path(path)` (when any ran)."""
+    every = plot_panels(record)
+    main = [panel for panel in every if panel[1] == "main set"]
+    written = [(path, main), (variants_path(path), [panel for panel in every if panel[1] != "main set"])]
+    written = [(where, chosen) for where, chosen in written if chosen]
+    for where, chosen in written:
+        draw(record, chosen, where)
+    return [where for where, _ in written]
+
+
+def draw(record: dict, wanted: list, path: Path, columns: int = 3) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups, wanted = panels(record), plot_panels(record)
+    groups = panels(record)
+    columns = min(columns, len(wanted))
     rows = -(-len(wanted) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.0 * columns, 7.0 * rows), squeeze=False, layout="constrained")
     for ax in axes.flat[len(wanted) :]:
@@ -848,7 +864,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 2 models, 1 seed")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", type=Path, default=REPO / "docs/benchmarks/recall.json")
-    p.add_argument("--plot", type=Path, default=REPO / "docs/images/recall.png")
+    p.add_argument(
+        "--plot", type=Path, default=REPO / "docs/images/recall.png", help="the main sets; the rest to <stem>_variants"
+    )
     p.add_argument("--plot-only", action="store_true", help="redraw the plot and reprint the tables from --json")
     args = p.parse_args(argv)
     if args.length is None:
@@ -907,8 +925,8 @@ def main(argv=None) -> None:
                 print(f"{name} seed {seed}: {result['accuracy']} ({result['train_seconds']} s)", flush=True)
     record = json.loads(args.json.read_text())
     print(summarise(record))
-    plot(record, args.plot)
-    print(f"\nwrote {args.plot}" if args.plot_only else f"\nwrote {args.json} and {args.plot}")
+    images = " and ".join(map(str, plot(record, args.plot)))
+    print(f"\nwrote {images}" if args.plot_only else f"\nwrote {args.json}, {images}")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def test_quick_run_records_and_cached_generation_agrees(bench, tmp_path, family)
         assert 0 <= ours["pick_rate"] <= 1 and ours["pick_chance"] > 0
         assert ours["any_picked"] is not None and 0 <= ours["any_picked"] <= 1
     assert image.stat().st_size > 0 and record["versions"]["torch"] == version("torch")
+    assert not bench.variants_path(image).exists()  # only the main set ran
 
 
 def test_pick_counts_split_accuracy_by_whether_the_fact_bucket_was_picked(bench):
