@@ -13,6 +13,7 @@ single process) saves {"losses": the global mean loss of every step, "weights": 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -108,7 +109,11 @@ def main() -> None:
         torch.save({"losses": losses, "weights": weights, "world": world}, args.out)
     if distributed:
         # both ranks reach the end before the group is torn down: rank 1 tearing gloo down while rank 0 still
-        # saved once aborted the process ("terminate called without an active exception", 1 run in many)
+        # saved once aborted the process ("terminate called without an active exception", 1 run in many); and
+        # the sharded model and optimizer (which hold gloo work handles) go first, while the interpreter is whole:
+        # the same abort came back once with the barrier alone (CI, a heavily loaded machine)
+        del model, optimizer, loss
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 
