@@ -42,8 +42,10 @@ expand):
     net is told the buckets holding the passkey, in training and evaluation: recall with perfect routing), and two
     one-change variants of it: top2_oracle_rowpos (one learned position row per position, not axial) and
     top2_oracle_local2 (half the heads local attention); top2_unweighted_rowpos (learned routing, one position row
-    per position); top2_unweighted_local2_oracle1000 (top2_unweighted_local2
-    with the oracle in its first 1,000 training steps only, evaluated with its own routing).
+    per position); top2_unweighted_rowpos_attngrad (the same forward, `routing_gradient="attention"`: the sort net
+    learns from the derivative of attending a chosen bucket more, not of scaling its values);
+    top2_unweighted_local2_oracle1000 (top2_unweighted_local2 with the oracle in its first 1,000 training steps only,
+    evaluated with its own routing).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
     (transformers' BERT, full attention); masked_unweighted, sortcut_unweighted (`weight_routed_values=False`).
 
@@ -55,7 +57,10 @@ after a wrong one are conditioned on it, so `gen_*` accuracy can be below the te
 Sinkhorn sort net's choice (`pick_rate`: over rows whose fact is routed-only, layers and Sinkhorn heads, how often
 the query's bucket picks the fact's bucket; `pick_chance`: n_top_buckets over the earlier buckets), at every
 `--eval-every` steps too; and the accuracy of routed-only answers when some Sinkhorn head of some layer picked the
-fact's bucket (`acc_picked`) and when none did (`acc_missed`), with the share of answers picked (`any_picked`).
+fact's bucket (`acc_picked`) and when none did (`acc_missed`), with the share of answers picked (`any_picked`);
+along training only, for causal Sinkhorn models, which way the training loss's routing gradient moves the fact's
+bucket: `push_picked` / `push_missed`, the share of (answer, layer, head) where a gradient step raises its routing
+score against the other candidates, when the head picked it / when it did not (see `routing_push`).
 
 Writes `--json` (merged with what is there: each run keyed by family, task, length, model and seed, so runs made
 in several processes or sessions accumulate; the file is locked while written) and `--plot` (accuracy against
@@ -233,6 +238,8 @@ def sinkhorn_specs(args) -> list[Spec]:
         Spec("top4_unweighted", "sinkhorn", dict(unweighted, n_top_buckets=4)),
         Spec("top2_unweighted_local2", "sinkhorn", local2),
         Spec("top2_unweighted_rowpos", "sinkhorn", rowpos),
+        # the same forward; the routing's straight-through gradient through the attention logits, not the values
+        Spec("top2_unweighted_rowpos_attngrad", "sinkhorn", dict(rowpos, routing_gradient="attention")),
         Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
         # perfect routing: what the attention inside the chosen buckets can do when the choice is right
         Spec("top2_oracle", "sinkhorn", unweighted, oracle=True),
@@ -436,6 +443,55 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
     return finish(out)
 
 
+def routing_push(spec: Spec, model, batch: Batch, args, family: str, step: int) -> dict:
+    """What the routing gradient of the training loss does to the fact's bucket, for causal Sinkhorn models: over
+    routed-only answers, layers and Sinkhorn heads, the share where a gradient step raises the routing score of the
+    fact's bucket at the answer's query bucket (the routing's log-softmax makes a row's gradient sum to zero, so
+    raising a score means raising it against the other candidates), when that head picked it (`push_picked`) and
+    when it did not (`push_missed`). 0.5 is no preference; below it the gradient pushes the fact's bucket away."""
+    from longrange.sinkhorn_heads import CausalSinkhornHeads
+
+    original, size, captured = CausalSinkhornHeads._select, model.config.bucket_size, []
+
+    def select(self, scores, valid, n_sel):
+        chosen = original(self, scores, valid, n_sel)
+        captured.append((self, scores, chosen[0]))
+        return chosen
+
+    CausalSinkhornHeads._select = select
+    try:
+        with torch.enable_grad():
+            loss = training_loss(spec, model, batch, step)
+            grads = torch.autograd.grad(loss, [scores for _, scores, _ in captured], allow_unused=True)
+    finally:
+        CausalSinkhornHeads._select = original
+    _, region = regions_of(family, args)
+    predicting = batch.answers - 1
+    routed = region(predicting, batch.facts) == 2  # [b, n]
+    counts = {"picked": [0, 0], "missed": [0, 0], "hits": [0, 0]}
+    b = batch.ids.shape[0]
+    for (group, scores, idx), grad in zip(captured, grads):
+        if grad is None:
+            continue
+        # one group alone, or `causal_pair`'s doubled batch: ordinary rows (offset 0), then shifted rows (offset 1)
+        offsets = [group.offset] if scores.shape[0] == b else [0, 1]
+        for i, offset in enumerate(offsets):
+            rows = slice(i * b, (i + 1) * b)
+            query = ((predicting + offset) // size)[:, None, :, None].expand(-1, grad.shape[1], -1, -1)  # [b,h,n,1]
+            column = (group.n_top + (batch.facts + offset) // size)[:, None, :, None].expand_as(query)
+            g = grad[rows].gather(2, query.expand(-1, -1, -1, grad.shape[3])).gather(3, column)[..., 0]  # [b,h,n]
+            chosen = idx[rows].gather(2, query.expand(-1, -1, -1, idx.shape[3]))  # [b, h, n, n_sel]
+            hit = (chosen == column).any(-1)
+            for name, sel in (("picked", hit), ("missed", ~hit)):
+                sel = sel & routed[:, None, :]
+                counts[name][0] += int((g[sel] < 0).sum())  # descent raises the score
+                counts[name][1] += int(sel.sum())
+            counts["hits"][0] += int((hit & routed[:, None, :]).sum())
+            counts["hits"][1] += int(routed.sum()) * hit.shape[1]
+    rates = {name: round(c[0] / c[1], 4) if c[1] else None for name, c in counts.items()}
+    return {"push_picked": rates["picked"], "push_missed": rates["missed"], "pick_rate": rates["hits"]}
+
+
 def split(batch: Batch, size: int):
     for i in range(0, batch.ids.shape[0], size):
         yield Batch(batch.ids[i : i + size], batch.answers[i : i + size], batch.facts[i : i + size])
@@ -583,6 +639,9 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
             }
             probed = evaluate(spec, model, probe, args, family)
             point.update({k: v for k, v in probed.items() if k in ("accuracy", "pick_rate", "any_picked")})
+            if spec.kind == "sinkhorn" and not oracle_on(spec, step) and model.config.causal:
+                pushed = routing_push(spec, model, probe, args, family, step)
+                point.update(push_picked=pushed["push_picked"], push_missed=pushed["push_missed"])
             curve.append(point)
             bar.set_postfix(loss=point["loss"], **{k[:6]: v for k, v in point["accuracy"].items()})
     train_seconds = time.perf_counter() - start

@@ -79,14 +79,12 @@ class SinkhornConfig(PreTrainedConfig):
             `hidden_size`; the language-model head projects back to `emb_dim` before the (tied) output embedding.
         max_position_embeddings (alias `max_seq_len`): number of learned absolute positions; longer inputs raise.
         axial_position_embeddings: positions embedded axially, as sinkhorn-transformer does: position p gets
-            `per_bucket[p // bucket_size] + in_bucket[p % bucket_size]` (two tables of `ceil(max_position_embeddings
-            / bucket_size)` and `bucket_size` rows) instead of one learned row per position. Default True: over
-            1,200 training steps it learns text clearly faster than one row per position (docs, "Sinkhorn parity");
-            False (one learned row per position) retrieves far better: passkey recall 0.30 / 0.47 (unweighted).
+            `per_bucket[p // bucket_size] + in_bucket[p % bucket_size]` instead of one learned row per position.
+            Default True: over 1,200 training steps it learns text clearly faster than one row per position (docs,
+            "Sinkhorn parity"); False retrieves far better: passkey recall 0.30 / 0.47 (unweighted).
 
     Sinkhorn attention
-        bucket_size: tokens per bucket. Inputs of any length are padded to a multiple internally (padding masked,
-            output trimmed).
+        bucket_size: tokens per bucket (inputs of any length are padded to a multiple, padding masked).
         causal: autoregressive attention (required by `SinkhornForCausalLM`; `is_decoder` is an alias). A query
             bucket then chooses among strictly earlier key buckets and `n_top_buckets` learned null buckets, from
             its leading token; half of the Sinkhorn heads use buckets shifted by `bucket_size - 1` (the seed's
@@ -106,16 +104,17 @@ class SinkhornConfig(PreTrainedConfig):
         non_permutative: True = each query bucket takes its top-scoring key buckets independently (a key bucket
             may serve many query buckets); False = scores are balanced by Gumbel-Sinkhorn into a soft permutation
             first (Gumbel noise only in training). False needs `causal=False`.
-        weight_routed_values: True (default) = the values of each chosen bucket are multiplied by its routing
-            weight (the routing softmax at `sort_temperature`, or the Gumbel-Sinkhorn matrix), forward and
-            backward, as the seed's reordering matrix does (the seed also scales the keys: `weight_routed_keys`).
-            False = only the bucket *indices* come from the sort net and the chosen buckets are attended as they
-            are (straight-through weights train the sort net). True / False: Tiny Shakespeare (6 x 256, 100 steps)
-            3.567 / 3.611 bits/char; passkey recall beyond the local buckets (benchmark_recall.py) 0.11 / 0.30.
+        weight_routed_values: True (default) = a chosen bucket's values are multiplied by its routing weight (the
+            routing softmax at `sort_temperature`, or the Gumbel-Sinkhorn matrix), as the seed's reordering matrix
+            does. False = the chosen buckets are attended as they are (straight-through weights train the sort
+            net). True / False: Tiny Shakespeare (6 x 256, 100 steps) 3.567 / 3.611 bits/char; passkey recall
+            beyond the local buckets (benchmark_recall.py) 0.11 / 0.30.
+        routing_gradient: with `weight_routed_values=False`, what a chosen bucket's straight-through weight scales in
+            the backward pass of causal self-attention (forward unchanged): "values" (default; d loss / d scaling
+            its values) or "attention" (its attention probabilities: the derivative of including the bucket).
         n_local_attn_heads: this many heads use local windowed attention (window = `bucket_size`, looking one
             window back, and one ahead when non-causal) instead of Sinkhorn attention.
-        receives_context (alias `add_cross_attention`): layers also attend `encoder_hidden_states` (seed:
-            `context`), bucketed with `context_bucket_size`.
+        receives_context (alias `add_cross_attention`): layers also attend `encoder_hidden_states` (seed: `context`).
         context_bucket_size: bucket size of the context; default `bucket_size`.
         context_n_sortcut: context buckets attended. Causal decoder: each query bucket chooses this many (0 =
             `n_top_buckets`) from its leading token (no future leak, cacheable). Non-causal: > 0 = SortCut (one
@@ -225,6 +224,7 @@ class SinkhornConfig(PreTrainedConfig):
     sort_temperature: float = 0.75
     non_permutative: bool = True
     weight_routed_values: bool = True
+    routing_gradient: str = "values"
     n_local_attn_heads: int = 0
     receives_context: bool = False
     context_bucket_size: int | None = None
@@ -344,6 +344,7 @@ FIELD_RULES = {
     "sort_temperature": positive_number("> 0"),
     "causal_key_summary": one_of(("mean", "running_mean_sum")),
     "causal_null_score": one_of(("learned", "zero")),
+    "routing_gradient": one_of(("values", "attention")),
     "simple_sort_net_scores": one_of(("log_relu", "relu")),
 }
 
@@ -403,6 +404,11 @@ REQUIREMENTS = (
     Requirement(
         lambda c: c.weight_routed_keys and not c.weight_routed_values,
         "weight_routed_keys=True needs weight_routed_values=True",
+    ),
+    Requirement(
+        lambda c: c.routing_gradient != "values" and (c.weight_routed_values or not c.causal),
+        "routing_gradient={c.routing_gradient!r} needs causal=True and weight_routed_values=False (it chooses the "
+        "straight-through gradient of causal self-attention's routing)",
     ),
     Requirement(
         lambda c: c.sequential_routing_weights and not c.non_permutative,

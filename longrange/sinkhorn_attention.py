@@ -67,6 +67,7 @@ def _causal_heads(config: SinkhornConfig, count: int, offset: int, impl: str) ->
         null_score=config.causal_null_score,
         null_copies=config.null_bucket_copies,
         skip_first_bucket=config.shifted_heads_skip_first_bucket,
+        routing_gradient=config.routing_gradient,
         **_routing_options(config),
     )
 

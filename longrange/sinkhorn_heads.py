@@ -372,9 +372,10 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         null_score: str = "learned",
         null_copies: bool = False,
         skip_first_bucket: bool = False,
+        routing_gradient: str = "values",
     ):
         super().__init__()
-        self.weight_routed_values = weight_routed_values
+        self.weight_routed_values, self.attention_gradient = weight_routed_values, routing_gradient == "attention"
         self.weight_routed_keys, self.sequential_weights = weight_routed_keys, sequential_weights
         # self-attention routing variants (see SinkhornConfig: causal_key_summary, causal_null_score,
         # null_bucket_copies, shifted_heads_skip_first_bucket)
@@ -490,20 +491,24 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
 
     def _gather_chosen(self, bank: _Bank, idx, picked_valid, scale):
         """The chosen buckets' keys, values [b, h, n, n_sel * B, d] (values, and keys with weight_routed_keys,
-        times the routing weight or its straight-through scale) and key mask [b, h, n, n_sel * B]."""
+        times the routing weight or its straight-through scale), key mask [b, h, n, n_sel * B] and, with
+        routing_gradient="attention", the straight-through log-scale for the attention logits (else None)."""
         b, h, n, _ = idx.shape
         d = bank.keys.shape[-1]
         bi, hi = batch_head_index(b, h, 4, idx.device)
         routed_k = bank.keys[bi, hi, idx]  # [b, h, n, n_sel, B, d]
         routed_v = bank.values[bi, hi, idx]
-        if scale is not None:
+        log_scale = None
+        if scale is not None and self.attention_gradient:  # zeros added to the logits, d/d log weight backward
+            log_scale = scale.log()[..., None].expand(*idx.shape, routed_k.shape[4]).reshape(b, h, n, -1)
+        elif scale is not None:
             routed_v = routed_v * scale[..., None, None].to(routed_v.dtype)
             if self.weight_routed_keys:
                 routed_k = routed_k * scale[..., None, None].to(routed_k.dtype)
         routed_k = routed_k.reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
         routed_v = routed_v.reshape(b, h, n, -1, d)
         routed_m = (bank.mask[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
-        return routed_k, routed_v, routed_m
+        return routed_k, routed_v, routed_m, log_scale
 
     def _routed_columns(self, bank: _Bank, idx, picked_valid, scale, lq: int, attn_weights: dict):
         """output_attentions: each chosen slot's column in the map [b, h, n, n_sel * B] (bank bucket j's slot s is
@@ -532,7 +537,7 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
 
     def _attend(self, bq, routed, bank: _Bank, mask, placed, attn_weights, key_length: int):
         """Self-attention over the chosen buckets and the own bucket up to each query -> [b, h, n, B, d]."""
-        routed_k, routed_v, routed_m = routed
+        routed_k, routed_v, routed_m, log_scale = routed
         b, h, n, size, _ = bq.shape
         keys = torch.cat([routed_k, bank.own_keys], dim=3)  # [b, h, n, (n_sel + 1) B, d]
         values = torch.cat([routed_v, bank.own_values], dim=3)
@@ -540,9 +545,12 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         own_m = mask.view(b, 1, n, 1, size) & causal  # [b, 1, n, B, B]
         # every row sees at least one key (each pick is a valid null or non-empty bucket), so the mask is
         # built additive from its two small pieces: one pass over the full [b, h, n, B, K] tensor
+        routed_bias = additive(routed_m, bq.dtype)
+        if log_scale is not None:
+            routed_bias = routed_bias + log_scale.to(bq.dtype)
         bias = torch.cat(
             [
-                additive(routed_m, bq.dtype)[:, :, :, None, :].expand(b, h, n, size, -1),
+                routed_bias[:, :, :, None, :].expand(b, h, n, size, -1),
                 additive(own_m, bq.dtype).expand(b, h, n, size, size),
             ],
             dim=-1,
@@ -620,7 +628,7 @@ class CausalContextHeads(CausalSinkhornHeads):
     def _attend(self, bq, routed, bank, mask, placed, attn_weights, key_length: int):
         """Cross-attention over the chosen context buckets -> [b, h, n, B, d]. A row may see no context at all (a
         fully padded context): a bool mask, which gives such rows zeros."""
-        routed_k, routed_v, routed_m = routed
+        routed_k, routed_v, routed_m, _ = routed  # (routing_gradient applies to self-attention)
         want = attn_weights is not None
         out = attend_buckets(
             bq, routed_k, routed_v, routed_m[:, :, :, None, :], self._p(), self.implementation, return_weights=want

@@ -190,3 +190,25 @@ def test_plot_panels_keep_variants_apart_with_their_references(bench):
         ("passkey", "longer training", ["top2", "llama", "top2_unweighted", "top2_unweighted+steps4000"]),
         ("mqar", "main set", ["top2"]),
     ]
+
+
+def test_routing_push_reads_the_buckets_the_evaluation_counts(bench):
+    from longrange.sinkhorn_heads import CausalSinkhornHeads
+
+    args = bench.parse_args(["--family", "sinkhorn", "--length", "128", "--layers", "1"])
+    specs = bench.family_specs("sinkhorn", args)
+    batch = bench.passkey(torch.Generator().manual_seed(3), 16, 128)
+    original = CausalSinkhornHeads._select
+    pushed = {}
+    for name in ("top2_unweighted_rowpos_attngrad", "top2_oracle"):
+        torch.manual_seed(0)
+        model = bench.build(specs[name], args)
+        evaluated = bench.evaluate(specs[name], model, batch, args, "sinkhorn")
+        pushed[name] = bench.routing_push(specs[name], model, batch, args, "sinkhorn", step=0)
+        # the same picks as the evaluation's routing output, from the scores the gradient is taken of
+        assert pushed[name]["pick_rate"] == evaluated["pick_rate"]
+        assert all(p.grad is None for p in model.parameters()) and CausalSinkhornHeads._select is original
+    learned = pushed["top2_unweighted_rowpos_attngrad"]
+    assert 0 <= learned["push_picked"] <= 1 and 0 <= learned["push_missed"] <= 1
+    oracle = pushed["top2_oracle"]  # every head picks the fact's bucket: nothing is missed
+    assert oracle["pick_rate"] == 1.0 and oracle["push_missed"] is None and 0 <= oracle["push_picked"] <= 1

@@ -321,3 +321,63 @@ def test_sortcut_with_sinkhorn_balancing_is_refused():
     # balancing SortCut's single summary row gives every key bucket weight 1: the sort net would choose nothing
     with pytest.raises(ValueError, match="n_sortcut > 0 needs non_permutative=True"):
         SinkhornConfig(**TINY, causal=False, n_sortcut=2, non_permutative=False)
+
+
+def test_routing_gradient_attention_is_refused_where_it_means_nothing():
+    for kwargs, found in [
+        (dict(causal=True), "weight_routed_values=False"),  # weighted values: the weight is no straight-through one
+        (dict(causal=False, weight_routed_values=False), "causal=True"),
+        (dict(causal=True, weight_routed_values=False, routing_gradient="keys"), "routing_gradient"),
+    ]:
+        with pytest.raises(ValueError, match=found):
+            SinkhornConfig(**TINY, **{"routing_gradient": "attention", **kwargs})
+
+
+def _shifted_pick_loss(model, ids, eps, at):
+    """The training loss with the straight-through routing scale of one pick (layer 0's first Sinkhorn group, batch
+    row 0, head 0, query bucket `at`, first pick) multiplied by exp(eps): what `routing_gradient` makes of it."""
+    from longrange.sinkhorn_heads import CausalSinkhornHeads
+
+    original = CausalSinkhornHeads._select
+    group = model.model.layers[0].attention.attention.groups[0]
+
+    def select(self, scores, valid, n_sel):
+        idx, picked_valid, scale = original(self, scores, valid, n_sel)
+        if self is group:
+            where = (torch.tensor(0), torch.tensor(0), torch.tensor(at), torch.tensor(0))
+            scale = torch.ones(idx.shape, dtype=eps.dtype) if scale is None else scale.double()  # (None: no grad)
+            scale = scale * torch.zeros_like(scale).index_put(where, eps).exp()
+        return idx, picked_valid, scale
+
+    CausalSinkhornHeads._select = select
+    try:
+        logits = model(ids).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    finally:
+        CausalSinkhornHeads._select = original
+
+
+def test_routing_gradient_is_the_derivative_of_its_scaling_and_leaves_the_forward_alone():
+    """`routing_gradient` changes the backward pass only: the same weights give the same logits and cached tokens;
+    the gradient reaching a pick's straight-through log-scale is the finite-difference derivative of the loss when
+    that scale really multiplies the values ("values") or the attention probabilities ("attention") of the chosen
+    bucket, and the two differ. One layer: a later layer's straight-through weights would add gradient (by design)
+    that the forward pass does not have."""
+    one = dict(weight_routed_values=False, n_top_buckets=2, max_position_embeddings=64, num_hidden_layers=1)
+    models = {g: causal_lm(seed=5, **one, routing_gradient=g) for g in ("values", "attention")}
+    ids = torch.randint(0, 40, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(models["attention"](ids).logits, models["values"](ids).logits, rtol=0, atol=0)
+    prompt = ids[:1, :20]
+    tokens = [m.generate(prompt, max_new_tokens=12, do_sample=False) for m in models.values()]
+    assert torch.equal(*tokens)
+    grads = {}
+    for name, model in models.items():
+        model.train().double()
+        eps = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        (grads[name],) = torch.autograd.grad(_shifted_pick_loss(model, ids, eps, at=5), eps)
+        h = 1e-4
+        with torch.no_grad():
+            up, down = (_shifted_pick_loss(model, ids, torch.tensor(s, dtype=torch.float64), at=5) for s in (h, -h))
+        torch.testing.assert_close(grads[name], (up - down) / (2 * h), rtol=1e-5, atol=1e-9)
+    assert abs(grads["attention"] - grads["values"]) > 0.1 * abs(grads["values"]) > 0
