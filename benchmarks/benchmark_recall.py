@@ -759,21 +759,30 @@ def model_order(family: str, name: str) -> tuple:
 
 def pick_curves(models: dict[str, list]) -> list[str]:
     """Markdown rows: the pick rate (with the share of answers some head picked, where recorded) and the accuracy in
-    the farthest region at every evaluation along training."""
-    runs = [
-        (name, r) for name, rs in models.items() for r in rs if any(p.get("pick_rate") is not None for p in r["curve"])
-    ]
+    the farthest region at every evaluation along training; then, where recorded, the routing gradient's push."""
+    title = "pick rate (share of answers some head picked) / accuracy in the farthest region, along training"
+    lines = curve_table(models, title, "pick_rate", lambda p, run: pick_cell(p, list(run["accuracy"])[-1]))
+    title = ("share of the fact's bucket's routing scores a gradient step raises, when the head picked it / when "
+             "it did not (0.5: no preference), along training")  # fmt: skip
+    return lines + curve_table(models, title, "push_picked", push_cell)
+
+
+def curve_table(models: dict[str, list], title: str, key: str, cell) -> list[str]:
+    """Markdown rows, one per run with `key` recorded along training: `cell(point, run)` at every evaluation step."""
+    runs = [(name, r) for name, rs in models.items() for r in rs if any(p.get(key) is not None for p in r["curve"])]
     if not runs:
         return []
     steps = sorted({point["step"] for _, run in runs for point in run["curve"]})  # budgets may differ
-    lines = ["\npick rate (share of answers some head picked) / accuracy in the farthest region, along training\n",
-             "| model, seed | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]  # fmt: skip
+    lines = [f"\n{title}\n", "| model, seed | " + " | ".join(f"step {s}" for s in steps) + " |",
+             "|---|" + "---|" * len(steps)]  # fmt: skip
     for name, run in runs:
-        far = list(run["accuracy"])[-1]
-        at = {p["step"]: pick_cell(p, far) for p in run["curve"]}
-        cells = [at.get(step, "") for step in steps]
-        lines.append(f"| {name}, {run['seed']} | " + " | ".join(cells) + " |")
+        at = {p["step"]: cell(p, run) for p in run["curve"]}
+        lines.append(f"| {name}, {run['seed']} | " + " | ".join(at.get(step, "") for step in steps) + " |")
     return lines
+
+
+def push_cell(point: dict, run: dict) -> str:
+    return " / ".join("-" if point.get(k) is None else f"{point[k]:.2f}" for k in ("push_picked", "push_missed"))
 
 
 def pick_cell(point: dict, far: str) -> str:

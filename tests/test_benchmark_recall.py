@@ -174,6 +174,9 @@ def test_pick_curves_show_the_picked_share_where_recorded(bench):
     assert rows[1] == "| model, seed | step 250 | step 500 |" and len(rows) == 5  # every budget's steps; no llama
     assert rows[3] == "| top2, 0 | 0.25 / 0.50 |  |"
     assert rows[4] == "| top2, 1 | 0.12 (0.75) / 0.50 | 0.50 (1.00) / 0.50 |"
+    pushed = dict(newer, curve=[{**point(250, 0.5), "push_picked": 0.625, "push_missed": None}])
+    rows = bench.pick_curves({"top2": [older, pushed]})
+    assert rows[-4].startswith("\nshare of the fact's bucket's routing scores") and rows[-1] == "| top2, 1 | 0.62 / - |"
 
 
 def test_plot_panels_keep_variants_apart_with_their_references(bench):
