@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import fcntl
 import json
 import math
@@ -194,6 +195,7 @@ class Spec:
     window: int | None = None  # the model sees only the last `window` tokens (each segment alone)
     oracle: bool = False  # a diagnostic: the sort net is told the fact's buckets (see `oracle_routing`)
     oracle_steps: int | None = None  # ... only in the first this many training steps (evaluation: learned routing)
+    freeze_routing_at: int | None = None  # a diagnostic: from this step on a frozen copy routes (`frozen_routing`)
 
 
 def family_specs(family: str, args) -> dict[str, Spec]:
@@ -247,6 +249,8 @@ def sinkhorn_specs(args) -> list[Spec]:
         Spec("top2_oracle_local2", "sinkhorn", local2, oracle=True),
         # learned routing, the oracle only in the first 1,000 training steps
         Spec("top2_unweighted_local2_oracle1000", "sinkhorn", local2, oracle=True, oracle_steps=1000),
+        # learned routing frozen from step 2,500 on (a copy of the model then routes), the attention trains on
+        Spec("top2_unweighted_rowpos_frozen2500", "sinkhorn", rowpos, freeze_routing_at=2500),
         Spec("llama", "llama"),
         # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
         Spec("gpt2", "gpt2"),
@@ -393,8 +397,54 @@ def oracle_routing(model, facts: torch.Tensor, active: bool):
         CausalSinkhornHeads._select = original
 
 
+@contextlib.contextmanager
+def frozen_routing(model, ids: torch.Tensor):
+    """A diagnostic for `Spec.freeze_routing_at` models (a no-op before the copy is taken): while inside, every
+    causal Sinkhorn group of `model` attends the buckets its frozen copy (the model at step `freeze_routing_at`,
+    `model.__dict__["frozen_router"]`) chooses on the same input, so the attention keeps training while the
+    routing stays as it was; the straight-through gradient still reaches the model's scores at those buckets. The
+    routing scores are the attention's own mean queries and keys: whether their drift under the attention's
+    training is what turns the routing away is what this separates."""
+    frozen = model.__dict__.get("frozen_router")
+    if frozen is None:
+        yield
+        return
+    from longrange.sinkhorn_heads import CausalSinkhornHeads
+    from longrange.sinkhorn_routing import NEG
+
+    original, chosen = CausalSinkhornHeads._select, []
+
+    def record(self, scores, valid, n_sel):
+        picked = original(self, scores, valid, n_sel)
+        chosen.append(picked[0])
+        return picked
+
+    CausalSinkhornHeads._select = record
+    try:
+        with torch.no_grad():
+            frozen(input_ids=ids, use_cache=False)
+    finally:
+        CausalSinkhornHeads._select = original
+    calls = iter(chosen)  # the same groups are called in the same order
+
+    def select(self, scores, valid, n_sel):
+        idx = next(calls)
+        valid = valid.expand(scores.shape)
+        log_weights = (scores.masked_fill(~valid, NEG) / self.temperature).log_softmax(-1).gather(-1, idx)
+        picked_valid = valid.gather(-1, idx)
+        log_weights = log_weights.masked_fill(~picked_valid, 0.0)
+        scale = torch.exp(log_weights - log_weights.detach()) if torch.is_grad_enabled() else None
+        return idx, picked_valid, scale
+
+    CausalSinkhornHeads._select = select
+    try:
+        yield
+    finally:
+        CausalSinkhornHeads._select = original
+
+
 def training_loss(spec: Spec, model, batch: Batch, step: int = 0) -> torch.Tensor:
-    with oracle_routing(model, batch.facts, oracle_on(spec, step)):
+    with oracle_routing(model, batch.facts, oracle_on(spec, step)), frozen_routing(model, batch.ids):
         return _training_loss(spec, model, batch)
 
 
@@ -425,7 +475,7 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
         for chunk in split(batch, args.eval_batch):
             ids, at, targets = model_inputs(spec, chunk)
             probe = spec.kind in ("sinkhorn", "masked")
-            with oracle_routing(model, chunk.facts, oracle_on(spec)):
+            with oracle_routing(model, chunk.facts, oracle_on(spec)), frozen_routing(model, ids):
                 result = answer_logits(spec, model, ids, at, **({"output_attentions": True} if probe else {}))
             logits, full = result if probe else (result, None)
             correct = logits.argmax(-1) == targets
@@ -437,6 +487,7 @@ def evaluate(spec: Spec, model, batch: Batch, args, family: str) -> dict:
                 args.task == "passkey"
                 and spec.kind in ("compressive", "sinkhorn", "llama", "gpt2")
                 and not oracle_on(spec)
+                and spec.freeze_routing_at is None  # the cache routes with the model's own scores
             ):
                 generated_accuracy(out, spec, model, chunk, logits, region, names, args)
     model.train()
@@ -451,20 +502,22 @@ def routing_push(spec: Spec, model, batch: Batch, args, family: str, step: int) 
     when it did not (`push_missed`). 0.5 is no preference; below it the gradient pushes the fact's bucket away."""
     from longrange.sinkhorn_heads import CausalSinkhornHeads
 
-    original, size, captured = CausalSinkhornHeads._select, model.config.bucket_size, []
+    size, captured = model.config.bucket_size, []
+    with frozen_routing(model, batch.ids), oracle_routing(model, batch.facts, oracle_on(spec, step)):
+        original = CausalSinkhornHeads._select  # (the diagnostics' choice, where one applies)
 
-    def select(self, scores, valid, n_sel):
-        chosen = original(self, scores, valid, n_sel)
-        captured.append((self, scores, chosen[0]))
-        return chosen
+        def select(self, scores, valid, n_sel):
+            chosen = original(self, scores, valid, n_sel)
+            captured.append((self, scores, chosen[0]))
+            return chosen
 
-    CausalSinkhornHeads._select = select
-    try:
-        with torch.enable_grad():
-            loss = training_loss(spec, model, batch, step)
-            grads = torch.autograd.grad(loss, [scores for _, scores, _ in captured], allow_unused=True)
-    finally:
-        CausalSinkhornHeads._select = original
+        CausalSinkhornHeads._select = select
+        try:
+            with torch.enable_grad():
+                loss = _training_loss(spec, model, batch)
+                grads = torch.autograd.grad(loss, [scores for _, scores, _ in captured], allow_unused=True)
+        finally:
+            CausalSinkhornHeads._select = original
     _, region = regions_of(family, args)
     predicting = batch.answers - 1
     routed = region(predicting, batch.facts) == 2  # [b, n]
@@ -625,6 +678,8 @@ def train_one(spec: Spec, args, seed: int, family: str, eval_batch: Batch) -> di
     bar = tqdm(range(args.steps), desc=f"{family}/{args.task}/{spec.name} seed {seed}", disable=args.no_progress)
     for step in bar:
         batch = to_device(task(gen, args.batch, args.length, args.pairs, curriculum_reach(step, args)), args.device)
+        if step == spec.freeze_routing_at:
+            model.__dict__["frozen_router"] = copy.deepcopy(model).eval().requires_grad_(False)  # not a submodule
         loss = training_loss(spec, model, batch, step)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

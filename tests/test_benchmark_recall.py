@@ -215,3 +215,31 @@ def test_routing_push_reads_the_buckets_the_evaluation_counts(bench):
     assert 0 <= learned["push_picked"] <= 1 and 0 <= learned["push_missed"] <= 1
     oracle = pushed["top2_oracle"]  # every head picks the fact's bucket: nothing is missed
     assert oracle["pick_rate"] == 1.0 and oracle["push_missed"] is None and 0 <= oracle["push_picked"] <= 1
+
+
+def test_frozen_routing_attends_what_the_frozen_copy_chooses(bench):
+    import copy
+
+    args = bench.parse_args(["--family", "sinkhorn", "--length", "128", "--layers", "2"])
+    spec = bench.family_specs("sinkhorn", args)["top2_unweighted_rowpos_frozen2500"]
+    torch.manual_seed(0)
+    model = bench.build(spec, args)
+    batch = bench.passkey(torch.Generator().manual_seed(3), 8, 128)
+
+    def routing(m, frozen=True):
+        context = bench.frozen_routing(m, batch.ids) if frozen else torch.no_grad()
+        with torch.no_grad(), context:
+            return [r.key_buckets for r in m(input_ids=batch.ids, use_cache=False, output_attentions=True).routing]
+
+    before = routing(model)  # no copy yet: the model's own routing
+    model.__dict__["frozen_router"] = copy.deepcopy(model).eval().requires_grad_(False)
+    with torch.no_grad():  # the attention trains on: its queries and keys move
+        for layer in model.model.layers:
+            layer.attention.attention.to_q.weight.add_(torch.randn_like(layer.attention.attention.to_q.weight))
+    moved = routing(model, frozen=False)
+    assert any(not torch.equal(a, b) for a, b in zip(before, moved))
+    assert all(torch.equal(a, b) for a, b in zip(before, routing(model)))  # inside: the frozen copy's choice
+    bench.training_loss(spec, model, batch, step=3000).backward()
+    assert model.lm_head.weight.grad is not None
+    assert all(p.grad is None for p in model.__dict__["frozen_router"].parameters())
+    assert spec.freeze_routing_at == 2500 and "frozen_router" not in dict(model.named_modules())
