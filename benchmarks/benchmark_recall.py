@@ -45,7 +45,8 @@ expand):
     per position); top2_unweighted_rowpos_attngrad (the same forward, `routing_gradient="attention"`: the sort net
     learns from the derivative of attending a chosen bucket more, not of scaling its values);
     top2_unweighted_local2_oracle1000 (top2_unweighted_local2 with the oracle in its first 1,000 training steps only,
-    evaluated with its own routing).
+    evaluated with its own routing); top2_unweighted_rowpos_frozen2500 (a diagnostic: from step 2,500 on a frozen
+    copy of the model routes, in training and evaluation, while the attention trains on).
   masked family (bidirectional, SinkhornForMaskedLM): masked (n_top_buckets 2), sortcut (`n_sortcut` 2), bert
     (transformers' BERT, full attention); masked_unweighted, sortcut_unweighted (`weight_routed_values=False`).
 
