@@ -197,6 +197,7 @@ class Spec:
     oracle: bool = False  # a diagnostic: the sort net is told the fact's buckets (see `oracle_routing`)
     oracle_steps: int | None = None  # ... only in the first this many training steps (evaluation: learned routing)
     freeze_routing_at: int | None = None  # a diagnostic: from this step on a frozen copy routes (`frozen_routing`)
+    frozen_gradient: bool = True  # ... and the straight-through gradient still reaches the model's routing scores
 
 
 def family_specs(family: str, args) -> dict[str, Spec]:
@@ -252,6 +253,9 @@ def sinkhorn_specs(args) -> list[Spec]:
         Spec("top2_unweighted_local2_oracle1000", "sinkhorn", local2, oracle=True, oracle_steps=1000),
         # learned routing frozen from step 2,500 on (a copy of the model then routes), the attention trains on
         Spec("top2_unweighted_rowpos_frozen2500", "sinkhorn", rowpos, freeze_routing_at=2500),
+        # ... and no routing gradient from then on: the straight-through gradient's own share in the collapse
+        Spec("top2_unweighted_rowpos_frozen2500_detached", "sinkhorn", rowpos, freeze_routing_at=2500,
+             frozen_gradient=False),  # fmt: skip
         Spec("llama", "llama"),
         # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
         Spec("gpt2", "gpt2"),
@@ -399,11 +403,12 @@ def oracle_routing(model, facts: torch.Tensor, active: bool):
 
 
 @contextlib.contextmanager
-def frozen_routing(model, ids: torch.Tensor):
+def frozen_routing(model, ids: torch.Tensor, gradient: bool = True):
     """A diagnostic for `Spec.freeze_routing_at` models (a no-op before the copy is taken): while inside, every
     causal Sinkhorn group of `model` attends the buckets its frozen copy (the model at step `freeze_routing_at`,
     `model.__dict__["frozen_router"]`) chooses on the same input, so the attention keeps training while the
-    routing stays as it was; the straight-through gradient still reaches the model's scores at those buckets. The
+    routing stays as it was; the straight-through gradient still reaches the model's scores at those buckets
+    unless not `gradient` (then the chosen buckets carry no routing gradient at all). The
     routing scores are the attention's own mean queries and keys: whether their drift under the attention's
     training is what turns the routing away is what this separates."""
     frozen = model.__dict__.get("frozen_router")
@@ -434,7 +439,7 @@ def frozen_routing(model, ids: torch.Tensor):
         log_weights = (scores.masked_fill(~valid, NEG) / self.temperature).log_softmax(-1).gather(-1, idx)
         picked_valid = valid.gather(-1, idx)
         log_weights = log_weights.masked_fill(~picked_valid, 0.0)
-        scale = torch.exp(log_weights - log_weights.detach()) if torch.is_grad_enabled() else None
+        scale = torch.exp(log_weights - log_weights.detach()) if gradient and torch.is_grad_enabled() else None
         return idx, picked_valid, scale
 
     CausalSinkhornHeads._select = select
@@ -445,7 +450,8 @@ def frozen_routing(model, ids: torch.Tensor):
 
 
 def training_loss(spec: Spec, model, batch: Batch, step: int = 0) -> torch.Tensor:
-    with oracle_routing(model, batch.facts, oracle_on(spec, step)), frozen_routing(model, batch.ids):
+    frozen = frozen_routing(model, batch.ids, spec.frozen_gradient)
+    with oracle_routing(model, batch.facts, oracle_on(spec, step)), frozen:
         return _training_loss(spec, model, batch)
 
 
@@ -504,7 +510,8 @@ def routing_push(spec: Spec, model, batch: Batch, args, family: str, step: int) 
     from longrange.sinkhorn_heads import CausalSinkhornHeads
 
     size, captured = model.config.bucket_size, []
-    with frozen_routing(model, batch.ids), oracle_routing(model, batch.facts, oracle_on(spec, step)):
+    frozen = frozen_routing(model, batch.ids, spec.frozen_gradient)
+    with frozen, oracle_routing(model, batch.facts, oracle_on(spec, step)):
         original = CausalSinkhornHeads._select  # (the diagnostics' choice, where one applies)
 
         def select(self, scores, valid, n_sel):

@@ -243,3 +243,8 @@ def test_frozen_routing_attends_what_the_frozen_copy_chooses(bench):
     assert model.lm_head.weight.grad is not None
     assert all(p.grad is None for p in model.__dict__["frozen_router"].parameters())
     assert spec.freeze_routing_at == 2500 and "frozen_router" not in dict(model.named_modules())
+    # the routing gradient still reaches the model's scores at the frozen picks, unless detached
+    assert bench.routing_push(spec, model, batch, args, "sinkhorn", step=3000)["push_missed"] is not None
+    detached = bench.family_specs("sinkhorn", args)["top2_unweighted_rowpos_frozen2500_detached"]
+    pushed = bench.routing_push(detached, model, batch, args, "sinkhorn", step=3000)
+    assert pushed["push_picked"] is None and pushed["push_missed"] is None
