@@ -254,8 +254,13 @@ def sinkhorn_specs(args) -> list[Spec]:
         # learned routing frozen from step 2,500 on (a copy of the model then routes), the attention trains on
         Spec("top2_unweighted_rowpos_frozen2500", "sinkhorn", rowpos, freeze_routing_at=2500),
         # ... and no routing gradient from then on: the straight-through gradient's own share in the collapse
-        Spec("top2_unweighted_rowpos_frozen2500_detached", "sinkhorn", rowpos, freeze_routing_at=2500,
-             frozen_gradient=False),  # fmt: skip
+        Spec(
+            "top2_unweighted_rowpos_frozen2500_detached",
+            "sinkhorn",
+            rowpos,
+            freeze_routing_at=2500,
+            frozen_gradient=False,
+        ),  # fmt: skip
         Spec("llama", "llama"),
         # full attention with learned absolute positions, as Sinkhorn's (Llama: rotary, relative)
         Spec("gpt2", "gpt2"),
