@@ -33,7 +33,9 @@ expand):
     reach), alone (each segment alone: the model sees only the query's segment), llama (transformers' Llama, full
     attention: the baseline users would pick and the upper bound), reference (compressive-transformer-pytorch
     0.4.0, the same sizes, fed segment by segment with its memories); the ablation: conv1d_autoencoding,
-    conv1d_none, dilated_conv_attention, dilated_conv_autoencoding, max_pool, mean_pool, most_used.
+    conv1d_none, dilated_conv_attention, dilated_conv_autoencoding, max_pool, mean_pool, most_used, and the same
+    slots and reach at another rate: compressive_rate3 (with the defaults: 16 memories + 48 compressed at rate 3),
+    compressive_rate5 (40 + 24 at rate 5).
   sinkhorn family (causal): top1, top2 (`n_top_buckets`), top4, local (every head local attention: what routing
     adds), llama, gpt2 (transformers' GPT-2: full attention with learned absolute positions, as Sinkhorn's;
     Llama's are rotary), reference (sinkhorn-transformer 0.11.4, same options); routing variants of top2:
@@ -228,6 +230,12 @@ def compressive_specs(args) -> list[Spec]:
     }
     for name, (fn, loss) in ablation.items():
         specs.append(Spec(name, "compressive", dict(base, compression_function=fn, reconstruction_loss=loss)))
+    # the same slots (mem + cmem) and reach (mem + cmem * rate) at a gentler or a harsher compression rate
+    for r in (rate - 1, rate + 1):
+        c, rest = divmod(cmem * (rate - 1), r - 1) if r > 1 else (0, 1)
+        if not rest and 0 < c < mem + cmem and mem + cmem - c >= r:
+            geometry = dict(mem_len=mem + cmem - c, c_mem_len=c, compression_rate=r)
+            specs.append(Spec(f"compressive_rate{r}", "compressive", geometry))
     return specs
 
 
@@ -284,7 +292,8 @@ DEFAULT_MODELS = {
     "masked": ["masked", "sortcut", "bert"],
 }
 ABLATION = ["compressive", "conv1d_autoencoding", "conv1d_none", "dilated_conv_attention",
-            "dilated_conv_autoencoding", "max_pool", "mean_pool", "most_used"]  # fmt: skip
+            "dilated_conv_autoencoding", "max_pool", "mean_pool", "most_used", "compressive_rate3",
+            "compressive_rate5"]  # fmt: skip
 
 
 def build(spec: Spec, args) -> torch.nn.Module:

@@ -65,6 +65,20 @@ def test_regions_follow_the_geometry(bench):
     assert [names[i] for i in region(t, f).tolist()] == ["own bucket", "previous bucket", "previous bucket", "routed"]
 
 
+def test_rate_variants_keep_the_slots_and_the_reach(bench):
+    args = bench.parse_args(["--family", "compressive"])  # 32 memories + 32 compressed at rate 4
+    specs = bench.family_specs("compressive", args)
+    slots_reach = {}
+    for name in ("compressive", "compressive_rate3", "compressive_rate5"):
+        o = specs[name].options
+        slots_reach[name] = (o["mem_len"] + o["c_mem_len"], o["mem_len"] + o["c_mem_len"] * o["compression_rate"])
+    assert slots_reach == dict.fromkeys(slots_reach, (64, 160))
+    assert specs["compressive_rate3"].options["compression_rate"] == 3
+    assert specs["compressive_rate5"].options["compression_rate"] == 5
+    args = bench.parse_args(["--family", "compressive", "--mem", "8", "--c-mem", "5", "--rate", "4"])
+    assert "compressive_rate3" not in bench.family_specs("compressive", args)  # 15 / 2 compressed: not whole
+
+
 def test_bad_arguments_name_the_option(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--family", "sinkhorn", "--models", "compressive"])
