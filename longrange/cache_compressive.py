@@ -14,7 +14,15 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache
 
-from .cache_compressive_static import DecodeStep, StaticLayout, rewind, to_compact, to_static
+from .cache_compressive_static import (
+    DecodeStep,
+    StaticLayout,
+    mark_static_addresses,
+    materialize_groups,
+    rewind,
+    to_compact,
+    to_static,
+)
 
 
 class CompressiveMemoryLayer:
@@ -276,6 +284,9 @@ class CompressiveMemoryCache(Cache):
         if not isinstance(crop_margin, int) or crop_margin < 0:
             raise ValueError(f"crop_margin must be an int >= 0 (most tokens one crop removes), got {crop_margin!r}")
         self.crop_margin = crop_margin
+        # set by generate(): no-grad multi-token calls leave the cache in the static form, so that the decoding steps
+        # that follow (compiled ones too) find its buffers allocated (a CUDA graph must not allocate what it mutates)
+        self.prefill_to_static = False
         self.seen_tokens = 0
         self._layout = None  # StaticLayout, set by the model when it first builds the static form
         self._host_rows = None  # static form: each row's (seen, start, pending, compressed) when known on the host
@@ -450,6 +461,7 @@ class CompressiveMemoryCache(Cache):
             for name in cls._ROWS:
                 setattr(cache, name, _place(static["rows"][name], device))
             _restore_fields(cache.layers, static["layers"], cls._SAVED_STATIC, device)
+            mark_static_addresses(cache)
         return cache
 
     @torch.no_grad()
@@ -459,6 +471,9 @@ class CompressiveMemoryCache(Cache):
         for layer, state in zip(layers, self.layers):
             state.prepare_projections(layer, layout.capacity, state.mem)
         to_static(self, layout)
+        if layout.grouped:  # the group buffers exist before any (compiled) step writes them in place
+            materialize_groups(self, layers)
+        mark_static_addresses(self)
 
     def to_compact(self) -> None:
         """Static form whose rows are all at the same fill -> compact form (reads the fills back to the host)."""

@@ -149,7 +149,7 @@ def to_static(cache, layout: StaticLayout) -> None:
     tokens = layout.c_ring + (first + torch.arange(held, device=device)) % layout.ring  # [held] token slots
     for state in cache.layers:
         _layer_to_static(state, layout, c_len, tokens)
-    cache._groups_ready = False  # compressed by the first branch-free step (see materialize_groups)
+    cache._groups_ready = False  # the group buffers: see materialize_groups (CompressiveMemoryCache.to_static)
 
 
 def _layer_to_static(state, layout: StaticLayout, c_len: int, tokens: torch.Tensor) -> None:
@@ -212,7 +212,6 @@ def materialize_groups(cache, compressors) -> None:
     group_slots = ((start // rate)[:, None] + torch.arange(count, device=start.device)) % layout.groups
     for compressor, state in zip(compressors, cache.layers):
         batch, hidden = state.ring.shape[0], state.ring.shape[-1]
-        heads, head_dim = state.ring_keys.shape[1], state.ring_keys.shape[3]
         block = gather_slots(state.ring, slots)
         block_valid = gather_slots(state.ring_real, slots) & in_ring
         variants = [("grouped", compressor.compress_memory(block, block_valid))]
@@ -223,16 +222,31 @@ def materialize_groups(cache, compressors) -> None:
             variants.append(("leading", (alone[0].view(batch, count, hidden), alone[1].view(batch, count))))
         for name, (compressed, compressed_valid) in variants:
             values = (compressed, *compressor.project_memory(compressed), compressed_valid)
-            buffers = (
-                state.ring.new_zeros(batch, layout.groups, hidden),
-                state.ring.new_zeros(batch, heads, layout.groups, head_dim),
-                state.ring.new_zeros(batch, heads, layout.groups, head_dim),
-                torch.zeros(batch, layout.groups, dtype=torch.bool, device=start.device),
-            )
-            for suffix, buffer, value in zip(("", "_keys", "_values", "_valid"), buffers, values):
+            for suffix, value in zip(("", "_keys", "_values", "_valid"), values):
+                buffer = getattr(state, name + suffix)
+                if buffer is None:  # allocated once, by `to_static` (eager); compiled steps then write in place
+                    shape = list(value.shape)
+                    shape[slot_dim(value)] = layout.groups
+                    buffer = value.new_zeros(shape)
+                    setattr(state, name + suffix, buffer)
+                else:
+                    buffer.zero_()
                 buffer.scatter_(slot_dim(buffer), slot_index(buffer, group_slots), value)
-                setattr(state, name + suffix, buffer)
     cache._groups_ready = True
+
+
+def mark_static_addresses(cache) -> None:
+    """Marks every tensor of the static form as living at a fixed address (decoding steps update them in place),
+    so that a compiled decoding step reads and writes them where they are: CUDA graphs skip a graph that mutates
+    any other input (as transformers' StaticCache marks its keys and values). Inside a compiled call (a static
+    form built there) it does nothing: dynamo cannot trace the marking."""
+    if torch.compiler.is_compiling():
+        return
+    tensors = [getattr(cache, name) for name in cache._ROWS]
+    tensors += [getattr(state, name) for state in cache.layers for name in state._STATIC]
+    for tensor in tensors:
+        if tensor is not None:
+            torch._dynamo.mark_static_address(tensor)
 
 
 def rewind(cache, count: int) -> None:

@@ -160,10 +160,10 @@ class RoutingState:
     def keep_route(self, rows, idx, picked_valid, weight) -> None:
         """Store a new routing choice ([b, h, n_sel] each; weight None unless weighted) in `rows` [b]."""
         t, keep = self.tensors, rows[:, None, None]
-        t["route"] = torch.where(keep, idx, t["route"])
-        t["route_valid"] = torch.where(keep, picked_valid, t["route_valid"])
-        if weight is not None:
-            t["route_weight"] = torch.where(keep, weight, t["route_weight"])
+        # in place: the state keeps its addresses (CUDA graphs replay a compiled step over the same buffers)
+        for name, new in (("route", idx), ("route_valid", picked_valid), ("route_weight", weight)):
+            if new is not None:
+                t[name].copy_(torch.where(keep, new, t[name]))
 
     def any_row_leads(self, host: tuple) -> bool:
         """Host-following step: whether some row's real token leads a bucket (so routes), read from the host."""

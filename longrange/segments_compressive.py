@@ -131,7 +131,7 @@ class SegmentRunner:
         runs = []
         if head:
             runs.append(self._run_tokens(hidden_states[:, :head], valid[:, :head], masked, use_cache))
-        if stepped:
+        if stepped or (self.cache.prefill_to_static and not torch.is_grad_enabled()):
             if not self.cache.is_static:
                 self._to_static(self.cache, hidden_states)
             for t in range(head, seq_len):

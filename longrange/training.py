@@ -202,6 +202,7 @@ def generate_samples(
             temperature=temperature,
             top_k=top_k,
             pad_token_id=tokenizer.pad_token_id,
+            disable_compile=True,  # a few samples: compiling the decoding step (CUDA graphs) costs more than it saves
         )
         samples.append(decode_bytes(tokenizer, out[0].tolist()).decode("utf-8", errors="replace"))
     model.train(was_training)

@@ -114,3 +114,53 @@ def kernel_ops(counts: collections.Counter) -> collections.Counter:
     return collections.Counter(
         {name: n for name, n in counts.items() if name not in VIEW_OPS and name != BOOL_MASK_INDEX}
     )
+
+
+def tensor_addresses(obj, path: str = "cache", seen: set | None = None) -> dict[str, int]:
+    """Every tensor reachable from `obj` through attributes, lists, tuples and dicts (modules excepted): path ->
+    data address."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, torch.nn.Module):
+        return {}
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {path: obj.data_ptr()}
+    items = []
+    if isinstance(obj, (list, tuple)):
+        items = [(f"{path}[{i}]", value) for i, value in enumerate(obj)]
+    elif isinstance(obj, dict):
+        items = [(f"{path}[{key!r}]", value) for key, value in obj.items()]
+    elif hasattr(obj, "__dict__"):
+        items = [(f"{path}.{name}", value) for name, value in vars(obj).items()]
+    return {
+        key: address for item_path, value in items for key, address in tensor_addresses(value, item_path, seen).items()
+    }
+
+
+def record_cache_addresses(model, monkeypatch) -> tuple[list[dict[str, int]], object]:
+    """(records, logits processors for generate()): after the prompt's forward and after every decoding step (a
+    logits processor runs outside the compiled model), where each tensor of generate()'s cache lives. A decoding
+    step replayed as a CUDA graph reads and writes the addresses the graph recorded, so the cache must be allocated
+    before the first step and only ever updated in place: every record should equal the first."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    records, generation = [], {}
+    prepare = model._prepare_cache_for_generation
+
+    def spy(generation_config, model_kwargs, *args, **kwargs):
+        result = prepare(generation_config, model_kwargs, *args, **kwargs)
+        generation["cache"] = model_kwargs[CACHE_NAME]
+        return result
+
+    class Record(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            records.append(tensor_addresses(generation["cache"]))
+            return scores
+
+    monkeypatch.setattr(model, "_prepare_cache_for_generation", spy)
+    return records, LogitsProcessorList([Record()])
+
+
+def moved_tensors(records: list[dict[str, int]]) -> list[str]:
+    """The cache tensors of `record_cache_addresses` that were replaced (or appeared) after the first record."""
+    return sorted({key for record in records[1:] for key in record if record[key] != records[0].get(key)})

@@ -18,8 +18,10 @@ from longrange import CompressiveMemoryCache
 from longrange.tokenization import byte_tokenizer
 from tests.dispatch_utils import (
     count_dispatched_ops,
+    moved_tensors,
     needs_current_assisted_decoding,
     needs_traceable_outputs,
+    record_cache_addresses,
     sync_ops,
 )
 
@@ -174,7 +176,7 @@ def test_static_decoding_step_is_one_graph_reads_nothing_back_and_compiles_fullg
 
 @needs_traceable_outputs
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_generate_compiles_decoding_on_the_cpu_when_asked_and_equals_eager_and_uncached(backend):
+def test_generate_compiles_decoding_on_the_cpu_when_asked_and_equals_eager_and_uncached(backend, monkeypatch):
     model = tiny_model()
     prompts = prompts_of([6, 3], seed=4)
     ids, mask = left_padded(prompts)
@@ -184,9 +186,12 @@ def test_generate_compiles_decoding_on_the_cpu_when_asked_and_equals_eager_and_u
     config._compile_all_devices = True  # transformers' switch for compiling on devices other than CUDA/XPU
     model.generation_config.compile_config = config
     torch._dynamo.utils.counters.clear()
-    compiled = model.generate(ids, **settings)
+    records, processors = record_cache_addresses(model, monkeypatch)
+    compiled = model.generate(ids, logits_processor=processors, **settings)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decoding steps did compile
     assert torch.equal(compiled, eager)
+    # what CUDA graphs need: the prompt's forward allocates the static form, the steps only write into it
+    assert len(records) == 16 and moved_tensors(records) == []
     for row, prompt in enumerate(prompts):
         assert torch.equal(
             compiled[row, ids.shape[1] :], greedy_by_full_recomputation(model, prompt, 16)[len(prompt) :]

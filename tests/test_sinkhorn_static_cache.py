@@ -15,8 +15,10 @@ from longrange.modeling_sinkhorn import SinkhornForCausalLM
 from longrange.tokenization import byte_tokenizer
 from tests.dispatch_utils import (
     count_dispatched_ops,
+    moved_tensors,
     needs_current_assisted_decoding,
     needs_traceable_outputs,
+    record_cache_addresses,
     sync_ops,
 )
 
@@ -167,7 +169,7 @@ def test_cached_decoding_step_is_one_graph_without_host_reads(variant):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
-def _compiled_generate_equals_eager_and_uncached(backend):
+def _compiled_generate_equals_eager_and_uncached(backend, monkeypatch):
     model = causal_lm(seed=7, **VARIANTS["local+shifted"])
     ids, mask = left_pad(prompts_of([9, 4], seed=8))
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -177,24 +179,27 @@ def _compiled_generate_equals_eager_and_uncached(backend):
     config._compile_all_devices = True  # compile on the CPU too (generate() compiles by itself on accelerators)
     model.generation_config.compile_config = config
     torch._dynamo.reset()
-    compiled = model.generate(ids, **kwargs)
+    records, processors = record_cache_addresses(model, monkeypatch)
+    compiled = model.generate(ids, logits_processor=processors, **kwargs)
     assert torch.equal(eager, uncached) and torch.equal(compiled, eager)
+    # what CUDA graphs need: the steps update the cache where the prompt's forward allocated it
+    assert len(records) == 12 and moved_tensors(records) == []
     return model
 
 
 @needs_traceable_outputs
-def test_generate_compiles_decoding_steps_and_gives_the_eager_tokens():
+def test_generate_compiles_decoding_steps_and_gives_the_eager_tokens(monkeypatch):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    _compiled_generate_equals_eager_and_uncached("eager")  # dynamo's full-graph trace, no code generation
+    _compiled_generate_equals_eager_and_uncached("eager", monkeypatch)  # dynamo's full-graph trace, no code generation
     assert counters["stats"]["unique_graphs"] == 1  # one graph for every decoding step: no recompilation
 
 
 @pytest.mark.slow
 @needs_traceable_outputs
-def test_inductor_compiled_generate_gives_the_eager_tokens():
-    _compiled_generate_equals_eager_and_uncached("inductor")
+def test_inductor_compiled_generate_gives_the_eager_tokens(monkeypatch):
+    _compiled_generate_equals_eager_and_uncached("inductor", monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------------------------------
