@@ -267,7 +267,38 @@ def profile_step(step, device: torch.device) -> dict:
         out["kernels_per_step"] = sum(
             e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset")) for e in events
         )
+        if out["scalar_reads_per_step"]:
+            out["sync_sites"] = sync_sites(step)
     return out
+
+
+def sync_sites(step) -> list[str]:
+    """Where one more step waits for the device (CUDA): torch's sync debug mode warns at every synchronising call;
+    each distinct call site is given by its innermost frames in the project's code, so a row's host reads can be
+    found from the JSON of a device run."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if "/longrange/" in f.filename or "/benchmarks/" in f.filename
+        ]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:4]) or f"{filename}:{lineno}"
+        key = f"{where}: {str(message).splitlines()[0][:80]}"
+        sites[key] = sites.get(key, 0) + 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            step()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [f"{count} x {key}" for key, count in sites.items()]
 
 
 def sync(device: torch.device) -> None:
