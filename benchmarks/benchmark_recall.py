@@ -46,6 +46,7 @@ expand):
     top2_oracle_local2 (half the heads local attention); top2_unweighted_rowpos (learned routing, one position row
     per position); top2_unweighted_rowpos_attngrad (the same forward, `routing_gradient="attention"`: the sort net
     learns from the derivative of attending a chosen bucket more, not of scaling its values);
+    top2_unweighted_attngrad (the same two routing options with the default axial positions);
     top2_unweighted_local2_oracle1000 (top2_unweighted_local2 with the oracle in its first 1,000 training steps only,
     evaluated with its own routing); top2_unweighted_rowpos_frozen2500 (a diagnostic: from step 2,500 on a frozen
     copy of the model routes, in training and evaluation, while the attention trains on).
@@ -250,6 +251,8 @@ def sinkhorn_specs(args) -> list[Spec]:
         Spec("top4_unweighted", "sinkhorn", dict(unweighted, n_top_buckets=4)),
         Spec("top2_unweighted_local2", "sinkhorn", local2),
         Spec("top2_unweighted_rowpos", "sinkhorn", rowpos),
+        # the axial default positions kept: only the two routing options a default change would need
+        Spec("top2_unweighted_attngrad", "sinkhorn", dict(unweighted, routing_gradient="attention")),
         # the same forward; the routing's straight-through gradient through the attention logits, not the values
         Spec("top2_unweighted_rowpos_attngrad", "sinkhorn", dict(rowpos, routing_gradient="attention")),
         Spec("local", "sinkhorn", dict(n_local_attn_heads=args.heads)),
