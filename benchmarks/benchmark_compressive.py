@@ -104,6 +104,23 @@ def train_step_ours(model, optimizer, batch, forward_context=contextlib.nullcont
     optimizer.zero_grad(set_to_none=True)
 
 
+def train_step_ours_by_segment(model, optimizer, batch, segment, forward_context=contextlib.nullcontext):
+    """The reference's procedure with our model: one forward and backward per `segment` tokens, the memories carried
+    in the cache (detached, as they are inside one forward over the whole batch), the gradients summed over the
+    segments, then one optimizer step. Only one segment's activations are alive at a time. Each segment's loss is
+    the mean over its own targets (the first token of a later segment is no target)."""
+    from longrange.compat import CACHE_NAME
+
+    cache, chunks = None, batch.split(segment, dim=1)
+    for chunk in chunks:
+        with forward_context():
+            out = model(chunk, labels=chunk, use_cache=True, **{CACHE_NAME: cache})
+        (out.loss / len(chunks)).backward()
+        cache = getattr(out, CACHE_NAME)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def train_step_reference(wrapper, optimizer, batch, forward_context=contextlib.nullcontext):
     # the wrapper shifts internally (input x[:, :-1], target x[:, 1:]): give it one more token. It yields one loss
     # per segment; each segment's forward runs inside `forward_context`, its backward outside, as for ours.

@@ -77,6 +77,24 @@ def test_ratios_pair_rows_of_the_same_precision_mode_and_shape():
     assert eager["memory_vs_reference"] == 0.5
     assert compared["sinkhorn/ours/bf16/eager/8x2048"]["speed_vs_llama"]["best"] is None  # no bf16 Llama row
 
+    # the Compressive model trained one segment at a time is compared with the same reference rows
+    results = dict(
+        [
+            entry("compressive", "ours", "tf32", "eager", 90.0, 8.0),
+            entry("compressive", "by_segment", "tf32", "eager", 120.0, 2.0),
+            entry("compressive", "reference", "tf32", "eager", 100.0, 4.0),
+        ]
+    )
+    compared = bench.ratios(results)
+    assert compared["compressive/ours/tf32/eager/8x2048"]["memory_vs_reference"] == 2.0
+    assert compared["compressive/by_segment/tf32/eager/8x2048"]["memory_vs_reference"] == 0.5
+    assert compared["compressive/by_segment/tf32/eager/8x2048"]["speed_vs_reference"]["eager"] == 1.2
+    size = {"compressive": {"shape": (8, 2048)}, "sinkhorn": {"shapes": {"tf32": [(8, 2048)], "bf16": []}}}
+    met = {t["target"]: t["met"] for t in bench.targets(compared, size)}
+    assert met["compressive tf32 8x2048 memory_vs_reference <= 1.0"] is False
+    assert met["compressive by segment tf32 8x2048 memory_vs_reference <= 1.0"] is True
+    assert met["compressive by segment tf32 8x2048 speed_vs_reference >= 1.3"] is False
+
 
 @pytest.mark.slow  # the whole --quick run: 1-2 minutes on a loaded 2-core machine
 def test_quick_mode_runs_every_row(tmp_path):
@@ -93,8 +111,8 @@ def test_quick_mode_runs_every_row(tmp_path):
     payload = json.loads(out.read_text())
     rows = payload["rows"]
     families = {(r["row"]["family"], r["row"]["side"]) for r in rows.values()}
-    assert families == {("compressive", "ours"), ("compressive", "reference"), ("sinkhorn", "ours"),
-                        ("sinkhorn", "reference"), ("llama", "llama")}  # fmt: skip
+    assert families == {("compressive", "ours"), ("compressive", "reference"), ("compressive", "by_segment"),
+                        ("sinkhorn", "ours"), ("sinkhorn", "reference"), ("llama", "llama")}  # fmt: skip
     for row_id, row in rows.items():
         assert ("tokens_per_s" in row) != ("error" in row), row_id
         if row["row"]["mode"] == "eager":
