@@ -17,8 +17,8 @@ from transformers.cache_utils import Cache
 from .cache_compressive_static import (
     DecodeStep,
     StaticLayout,
+    allocate_groups,
     mark_static_addresses,
-    materialize_groups,
     rewind,
     to_compact,
     to_static,
@@ -472,7 +472,7 @@ class CompressiveMemoryCache(Cache):
             state.prepare_projections(layer, layout.capacity, state.mem)
         to_static(self, layout)
         if layout.grouped:  # the group buffers exist before any (compiled) step writes them in place
-            materialize_groups(self, layers)
+            allocate_groups(self, layers)
         mark_static_addresses(self)
 
     def to_compact(self) -> None:

@@ -224,7 +224,7 @@ def materialize_groups(cache, compressors) -> None:
             values = (compressed, *compressor.project_memory(compressed), compressed_valid)
             for suffix, value in zip(("", "_keys", "_values", "_valid"), values):
                 buffer = getattr(state, name + suffix)
-                if buffer is None:  # allocated once, by `to_static` (eager); compiled steps then write in place
+                if buffer is None:  # a static form from an older release's state_dict (`to_static` allocates)
                     shape = list(value.shape)
                     shape[slot_dim(value)] = layout.groups
                     buffer = value.new_zeros(shape)
@@ -233,6 +233,21 @@ def materialize_groups(cache, compressors) -> None:
                     buffer.zero_()
                 buffer.scatter_(slot_dim(buffer), slot_index(buffer, group_slots), value)
     cache._groups_ready = True
+
+
+def allocate_groups(cache, compressors) -> None:
+    """The group buffers of every layer, zeroed, for `materialize_groups` to fill in place (a compiled step must
+    not allocate what later steps write)."""
+    groups = cache._layout.groups
+    for compressor, state in zip(compressors, cache.layers):
+        batch, hidden = state.ring.shape[0], state.ring.shape[-1]
+        heads, head_dim = state.ring_keys.shape[1], state.ring_keys.shape[3]
+        leading = isinstance(compressor.compress, DilatedConvCompression)
+        for name in ("grouped", "leading") if leading else ("grouped",):
+            setattr(state, name, state.ring.new_zeros(batch, groups, hidden))
+            setattr(state, name + "_keys", state.ring_keys.new_zeros(batch, heads, groups, head_dim))
+            setattr(state, name + "_values", state.ring_keys.new_zeros(batch, heads, groups, head_dim))
+            setattr(state, name + "_valid", state.ring_real.new_zeros(batch, groups))
 
 
 def mark_static_addresses(cache) -> None:
