@@ -273,7 +273,9 @@ class CompressiveMemoryCache(Cache):
     Multi-token forwards keep it in the compact form (every row at the same fill); one-token decoding steps in the
     static form, whose shapes never change and whose per-row counters `rows_seen`, `rows_start`, `rows_pending`,
     `rows_compressed` [batch] (long tensors; see StaticLayout) are updated in place, so a decoding step compiles
-    to one graph that reads nothing back to the host. The model converts between the forms as needed.
+    to one graph that reads nothing back to the host. The model converts between the forms as needed; a cache that
+    generate() made or was given (`prefill_to_static`) leaves no-grad forwards in the static form, so that the
+    decoding steps that follow, compiled ones too, find every buffer allocated and only write into it.
     """
 
     model_type = "compressive"  # the model it belongs to (a cache handed to the other model is refused)
