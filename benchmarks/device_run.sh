@@ -11,7 +11,8 @@
 #        benchmarks/device_run.sh fetch            # -> .whl/ (14 MB; ignored by git through .gitignore)
 # 2. On the device, through the session's device tool, carrying .whl:
 #        run(command="bash benchmarks/device_run.sh", carry=[".whl"], timeout_s=600)
-#    or one phase: `bash benchmarks/device_run.sh bench` (tests, train: likewise).
+#    or one phase: `bash benchmarks/device_run.sh bench` (tests, train: likewise); DECODE_ROWS / BENCH_ROWS (regular
+#    expressions on row ids) and DECODE_BUDGET / BENCH_BUDGET (seconds) narrow a rerun.
 # 3. Not in `all` (it needs its own command): `bash benchmarks/device_run.sh recall`, long-range recall at GPU scale
 #    (passkey at RECALL_LENGTH=4096 tokens, buckets of 64, hidden 256 x 4 layers; causal Sinkhorn with and without
 #    the distance curriculum beside transformers' Llama; RECALL_STEPS=1000 each, RECALL_BUDGET=420 s in all):
@@ -25,9 +26,11 @@ WHEELS=${WHEELS:-.whl}
 BENCH_BUDGET=${BENCH_BUDGET:-160}
 DECODE_BUDGET=${DECODE_BUDGET:-140}
 OUT=${OUT:-/tmp/device-run}
-phase=${1:-all}
+phases=${1:-all}  # one phase or several, comma-separated (decode,bench); all: train,decode,bench
+[ "$phases" = all ] && phases=train,decode,bench
+wants() { [[ ",$phases," == *",$1,"* ]]; }
 
-if [ "$phase" = fetch ]; then
+if [ "$phases" = fetch ]; then
     mkdir -p "$WHEELS"  # .whl/ is in .gitignore: it travels only when a run names it in `carry`
     platforms=()
     for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
@@ -56,7 +59,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
 status=0
 
-if [ "$phase" = all ] || [ "$phase" = train ]; then
+if wants train; then
     {
         common=(--max_steps 20 --eval_every 10 --eval_tokens 8192 --num_samples 1 --sample_tokens 16 --num_threads 0)
         # Accelerate's FSDP2 path (one process: the same code as on several GPUs, gathers and all)
@@ -73,16 +76,18 @@ if [ "$phase" = all ] || [ "$phase" = train ]; then
     grep -q "rc=[1-9]" "$OUT/train.log" && status=1
 fi
 
-if [ "$phase" = all ] || [ "$phase" = decode ]; then
+if wants decode; then
     # decoding tokens/s at 512 / 1,024 / 4,096 tokens of context (its rows go under "decoding" in gpu.json)
-    timeout $((DECODE_BUDGET + 60)) python3 benchmarks/benchmark_decoding.py --device cuda --budget "$DECODE_BUDGET" \
-        --out "$OUT/decode.json" 2>&1 | grep --line-buffered -v cudagraph_utils | tee "$OUT/decode.log" || status=1
+    # (TORCH_LOGS=recompiles: why a compiled decoding step compiled again, in decode.log)
+    TORCH_LOGS=recompiles timeout $((DECODE_BUDGET + 60)) python3 benchmarks/benchmark_decoding.py --device cuda \
+        --budget "$DECODE_BUDGET" --rows "${DECODE_ROWS:-.}" --out "$OUT/decode.json" 2>&1 \
+        | grep --line-buffered -v cudagraph_utils | tee "$OUT/decode.log" || status=1
 fi
 
-if [ "$phase" = all ] || [ "$phase" = bench ]; then
+if wants bench; then
     # the benchmark stops starting rows after BENCH_BUDGET s and rewrites its JSON after every row
     timeout $((BENCH_BUDGET + 60)) python3 benchmarks/benchmark_gpu.py --device cuda --budget "$BENCH_BUDGET" \
-        --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+        --rows "${BENCH_ROWS:-.}" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 # docs/benchmarks/gpu.json: the training rows with the decoding rows under "decoding"
 python3 - "$OUT" <<'PY'
@@ -96,12 +101,12 @@ if payload:
     pathlib.Path("docs/benchmarks/gpu.json").write_text(json.dumps(payload, indent=1) + "\n")
 PY
 
-if [ "$phase" = tests ]; then
+if wants tests; then
     # the default suite (CPU tests: longer than one device command; run it only when a session has minutes to spare)
     timeout 90 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" || status=1
 fi
 
-if [ "$phase" = recall ]; then
+if wants recall; then
     recall=(benchmarks/benchmark_recall.py --family sinkhorn --length "${RECALL_LENGTH:-4096}" --bucket 64
         --hidden 256 --layers 4 --heads 4 --batch 16 --steps "${RECALL_STEPS:-1000}" --eval-sequences 256
         --seeds 0 --threads 0 --device cuda --no-progress --json "$OUT/recall.json" --plot "$OUT/recall.png")

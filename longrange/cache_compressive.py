@@ -289,7 +289,8 @@ class CompressiveMemoryCache(Cache):
         # set by generate(): no-grad multi-token calls leave the cache in the static form, so that the decoding steps
         # that follow (compiled ones too) find its buffers allocated (a CUDA graph must not allocate what it mutates)
         self.prefill_to_static = False
-        self.seen_tokens = 0
+        self._seen_host = 0  # tokens seen, padding included, on the host (None after compiled steps: see count)
+        self.seen_counter = None  # static form: the same as a 0-dim long tensor, updated in place
         self._layout = None  # StaticLayout, set by the model when it first builds the static form
         self._host_rows = None  # static form: each row's (seen, start, pending, compressed) when known on the host
         self._groups_ready = False  # static form: whether the group buffers hold every held group
@@ -309,6 +310,31 @@ class CompressiveMemoryCache(Cache):
     @property
     def is_static(self) -> bool:
         return self.rows_seen is not None
+
+    @property
+    def seen_tokens(self) -> int:
+        """Tokens seen so far, padding included (after compiled steps read back from the device once)."""
+        if self._seen_host is None:
+            self._seen_host = int(self.seen_counter)
+        return self._seen_host
+
+    @seen_tokens.setter
+    def seen_tokens(self, value: int) -> None:
+        self._seen_host = int(value)
+        if self.seen_counter is not None:
+            self.seen_counter.fill_(self._seen_host)
+
+    def count(self, tokens: int) -> None:
+        """Forward's bookkeeping of `tokens` more seen. A compiled step of the static form counts on the device
+        only: a Python number that changed from one compiled step to the next would make dynamo recompile, and a
+        CUDA graph record anew, at every step."""
+        if self.seen_counter is not None:
+            self.seen_counter.add_(tokens)
+            if torch.compiler.is_compiling():
+                self._seen_host = None
+                return
+        if self._seen_host is not None:
+            self._seen_host += tokens
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far, padding included (not the number of slots held, which stays bounded)."""
@@ -340,7 +366,7 @@ class CompressiveMemoryCache(Cache):
             setattr(self, name, None)
         self._host_rows = None
         self._step_geometry = None
-        self.seen_tokens = 0
+        self._seen_host, self.seen_counter = 0, None
 
     def _apply_to_batch(self, fn) -> None:
         self._step_geometry = None
@@ -463,6 +489,7 @@ class CompressiveMemoryCache(Cache):
             for name in cls._ROWS:
                 setattr(cache, name, _place(static["rows"][name], device))
             _restore_fields(cache.layers, static["layers"], cls._SAVED_STATIC, device)
+            cache.seen_counter = torch.tensor(cache.seen_tokens, device=cache.rows_seen.device)
             mark_static_addresses(cache)
         return cache
 

@@ -140,6 +140,7 @@ def to_static(cache, layout: StaticLayout) -> None:
         return torch.full((batch,), value, dtype=torch.long, device=device)
 
     first = layout.rate * c_len
+    cache.seen_counter = torch.tensor(cache.seen_tokens, device=device)
     cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
     cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
     cache._host_rows = [[first + held, first, p_len, c_len] for _ in range(batch)]
@@ -196,6 +197,7 @@ def to_compact(cache) -> None:
     for name in cache._ROWS:
         setattr(cache, name, None)
     cache._host_rows = cache._step_geometry = None
+    cache._seen_host, cache.seen_counter = cache.seen_tokens, None
 
 
 def materialize_groups(cache, compressors) -> None:
@@ -257,7 +259,7 @@ def mark_static_addresses(cache) -> None:
     form built there) it does nothing: dynamo cannot trace the marking."""
     if torch.compiler.is_compiling():
         return
-    tensors = [getattr(cache, name) for name in cache._ROWS]
+    tensors = [cache.seen_counter] + [getattr(cache, name) for name in cache._ROWS]
     tensors += [getattr(state, name) for state in cache.layers for name in state._STATIC]
     for tensor in tensors:
         if tensor is not None:

@@ -592,11 +592,11 @@ class CompressiveModel(CompressivePreTrainedModel):
             cache = CompressiveMemoryCache(config.num_hidden_layers)
         else:
             check_cache(cache, "compressive", batch, 0 if cache.layers[0].is_empty else cache.layers[0].batch_size)
-        valid = self._token_validity(attention_mask, batch, seq_len, cache.seen_tokens, hidden_states.device)
+        valid = self._token_validity(attention_mask, batch, seq_len, cache, hidden_states.device)
 
         runner = SegmentRunner(self, cache, output_hidden_states, output_attentions)
         run = runner.run(hidden_states, valid, masked=attention_mask is not None, use_cache=use_cache)
-        cache.seen_tokens += seq_len
+        cache.count(seq_len)
 
         final = self.norm(run.outputs)
         result = CompressiveModelOutput(
@@ -642,12 +642,17 @@ class CompressiveModel(CompressivePreTrainedModel):
         return self.dropout(self.embed_tokens(input_ids) if input_ids is not None else inputs_embeds)
 
     @staticmethod
-    def _token_validity(attention_mask, batch, seq_len, seen, device) -> torch.Tensor:
+    def _token_validity(attention_mask, batch, seq_len, cache, device) -> torch.Tensor:
         """[batch, seq] bool for the new tokens. The mask may cover only the new tokens or, as generate() passes
-        it, every token seen so far plus the new ones; the cache already holds the validity of the older ones."""
+        it, every token seen so far plus the new ones; the cache already holds the validity of the older ones.
+        Compiled steps do not check the full mask's length: the count of tokens seen is on the device only."""
         if attention_mask is None:
             return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
-        return check_mask(attention_mask, batch, (seq_len, seen + seq_len), seq_len).to(device=device)
+        if torch.compiler.is_compiling():
+            so_far = getattr(attention_mask, "shape", (seq_len,))[-1]
+        else:
+            so_far = cache.seen_tokens + seq_len
+        return check_mask(attention_mask, batch, (seq_len, so_far), seq_len).to(device=device)
 
 
 class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
@@ -761,8 +766,10 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         if inputs_embeds is not None and is_first_iteration:  # the embeddings the cache has not seen
             new = next_sequence_length if next_sequence_length is not None else inputs_embeds.shape[1] - seen
             model_inputs.update(input_ids=None, inputs_embeds=inputs_embeds[:, inputs_embeds.shape[1] - new :])
-        elif next_sequence_length is not None:
-            model_inputs["input_ids"] = input_ids[:, -next_sequence_length:]
+        elif next_sequence_length is not None:  # contiguous: a view's stride would change with every step
+            model_inputs["input_ids"] = input_ids[:, -next_sequence_length:].clone(
+                memory_format=torch.contiguous_format
+            )
         else:
             model_inputs["input_ids"] = input_ids[:, seen:] if seen else input_ids
         for key in ("output_hidden_states", "output_attentions", "return_dict", "logits_to_keep"):

@@ -164,3 +164,21 @@ def record_cache_addresses(model, monkeypatch) -> tuple[list[dict[str, int]], ob
 def moved_tensors(records: list[dict[str, int]]) -> list[str]:
     """The cache tensors of `record_cache_addresses` that were replaced (or appeared) after the first record."""
     return sorted({key for record in records[1:] for key in record if record[key] != records[0].get(key)})
+
+
+def recording_backend(graphs: list, backend: str = "aot_eager") -> Callable:
+    """A torch.compile backend: `backend`, appending to `graphs` the example inputs of every graph it compiles.
+    A CUDA graph is recorded anew for every new value of a Python number among a graph's inputs (a count that grows
+    each step makes dynamo recompile first, then re-record at every step): a decoding step should take tensors only."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def compile_graph(gm, example_inputs, **options):  # options: CompileConfig's mode, for CUDA graphs only
+        graphs.append(list(example_inputs))
+        return lookup_backend(backend)(gm, example_inputs)
+
+    return compile_graph
+
+
+def number_inputs(graphs: list) -> list[str]:
+    """The inputs of `recording_backend`'s graphs that are not tensors (symbolic or plain Python numbers)."""
+    return [repr(value) for inputs in graphs for value in inputs if not isinstance(value, torch.Tensor)]

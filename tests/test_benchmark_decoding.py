@@ -65,5 +65,10 @@ def test_a_compiled_row_that_compiles_nothing_is_an_error_not_an_eager_figure(be
     eager = bench.generate_kwargs(bench.Row("llama", "llama", "eager", 32), bench.torch.device("cpu"), "aot_eager")
     monkeypatch.setattr(bench, "generate_kwargs", lambda *args: eager)
     size = bench.sizes(quick=True)
+    row, cpu = bench.Row("llama", "llama", "compiled", 32), bench.torch.device("cpu")
     with pytest.raises(RuntimeError, match="compiled nothing"):
-        bench.measure(bench.Row("llama", "llama", "compiled", 32), size, bench.torch.device("cpu"), "aot_eager")
+        bench.measure(row, size, cpu, "aot_eager", {})
+    models = {}  # nor does a row that reuses its model after another row
+    bench.model_for(row, size, cpu, models)
+    with pytest.raises(RuntimeError, match="compiled nothing"):
+        bench.measure(row, size, cpu, "aot_eager", models)

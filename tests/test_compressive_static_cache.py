@@ -21,7 +21,9 @@ from tests.dispatch_utils import (
     moved_tensors,
     needs_current_assisted_decoding,
     needs_traceable_outputs,
+    number_inputs,
     record_cache_addresses,
+    recording_backend,
     sync_ops,
 )
 
@@ -182,13 +184,16 @@ def test_generate_compiles_decoding_on_the_cpu_when_asked_and_equals_eager_and_u
     ids, mask = left_padded(prompts)
     settings = dict(attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
     eager = model.generate(ids, **settings)
-    config = CompileConfig(backend=backend, fullgraph=True)
+    graphs = []
+    config = CompileConfig(backend=recording_backend(graphs, backend), fullgraph=True)
     config._compile_all_devices = True  # transformers' switch for compiling on devices other than CUDA/XPU
     model.generation_config.compile_config = config
-    torch._dynamo.utils.counters.clear()
+    torch._dynamo.reset()
     records, processors = record_cache_addresses(model, monkeypatch)
     compiled = model.generate(ids, logits_processor=processors, **settings)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decoding steps did compile
+    # the decoding steps compiled: once, and once more after the first step fills the group buffers (16 steps, no
+    # recompilation as the count of tokens grows), into graphs that take no Python number (CUDA graphs re-record)
+    assert 1 <= len(graphs) <= 2 and number_inputs(graphs) == []
     assert torch.equal(compiled, eager)
     # what CUDA graphs need: the prompt's forward allocates the static form, the steps only write into it
     assert len(records) == 16 and moved_tensors(records) == []

@@ -18,7 +18,9 @@ from tests.dispatch_utils import (
     moved_tensors,
     needs_current_assisted_decoding,
     needs_traceable_outputs,
+    number_inputs,
     record_cache_addresses,
+    recording_backend,
     sync_ops,
 )
 
@@ -175,13 +177,15 @@ def _compiled_generate_equals_eager_and_uncached(backend, monkeypatch):
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
     uncached = model.generate(ids, use_cache=False, **kwargs)
     eager = model.generate(ids, **kwargs)
-    config = CompileConfig(fullgraph=True, backend=backend)
+    graphs = []
+    config = CompileConfig(fullgraph=True, backend=recording_backend(graphs, backend))
     config._compile_all_devices = True  # compile on the CPU too (generate() compiles by itself on accelerators)
     model.generation_config.compile_config = config
     torch._dynamo.reset()
     records, processors = record_cache_addresses(model, monkeypatch)
     compiled = model.generate(ids, logits_processor=processors, **kwargs)
     assert torch.equal(eager, uncached) and torch.equal(compiled, eager)
+    assert len(graphs) == 1 and number_inputs(graphs) == []  # one graph for every step, no Python number taken
     # what CUDA graphs need: the steps update the cache where the prompt's forward allocated it
     assert len(records) == 12 and moved_tensors(records) == []
     return model
