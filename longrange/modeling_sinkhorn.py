@@ -595,7 +595,8 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
 
     def create_masks_for_generate(self, attention_mask=None, cache=None, inputs_embeds=None, **kwargs):
         if attention_mask is not None and isinstance(cache, SinkhornCache) and cache.prefilled:
-            return attention_mask[:, -inputs_embeds.shape[1] :]  # a fixed shape for compiled decoding steps
+            # a fixed shape and fixed strides (a view's would change every step) for compiled decoding steps
+            return attention_mask[:, -inputs_embeds.shape[1] :].clone(memory_format=torch.contiguous_format)
         return attention_mask
 
     def _random_truncate(self, input_ids, attention_mask, labels):
