@@ -279,6 +279,36 @@ def table(results: dict[str, dict], compared: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(section: dict, path: Path) -> None:
+    """Tokens/s against the context for each measured (family, side, mode), log scale: what the table says, drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list] = {}
+    for r in section["rows"].values():
+        if r.get("tokens_per_s"):
+            row = Row(**r["row"])
+            name = f"{row.family}{' reference' if row.side == 'reference' else ''} {row.mode}"
+            series.setdefault(name, []).append((row.context, r["tokens_per_s"]))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, points in sorted(series.items()):
+        x, y = zip(*sorted(points))
+        ax.plot(x, y, marker="o", linestyle="-" if len(x) > 1 else "none", label=name)
+    ax.axhline(1000, color="black", linestyle=":", linewidth=1, label="target (1,000 at 1,024)")
+    ax.set(xscale="log", yscale="log", xlabel="tokens of context (prompt)", ylabel="new tokens / s (batch 1)")
+    ax.minorticks_off()
+    ax.set_xticks(section["sizes"]["contexts"], [f"{n:,}" for n in section["sizes"]["contexts"]])
+    ax.set_title(f"Decoding on {section['device']} (torch {section['torch']})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -291,7 +321,16 @@ def main(argv=None) -> dict:
                         "(default inductor; with --quick on the CPU aot_eager, which skips C++ code generation)")  # fmt: skip
     parser.add_argument("--budget", type=float, default=240.0, help="seconds after which no row starts")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--plot", type=Path, default=None, help="draw tokens/s against the context to this image")
+    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
+                        help="redraw --plot from a record's 'decoding' section and reprint its table; measure nothing")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.plot_only:
+        section = json.loads(args.plot_only.read_text())["decoding"]
+        if args.plot:
+            plot(section, args.plot)
+        print(table(section["rows"], section["ratios"]))
+        return section
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False")
@@ -347,6 +386,8 @@ def main(argv=None) -> dict:
         write(final=False)
     section = write(final=True)
     print(table(results, section["ratios"]))
+    if args.plot:
+        plot(section, args.plot)
     return section
 
 

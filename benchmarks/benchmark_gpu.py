@@ -276,7 +276,31 @@ def profile_step(step, device: torch.device) -> dict:
         )
         if out["scalar_reads_per_step"]:
             out["sync_sites"] = sync_sites(step)
+    out["busy_s"], out["top_work"] = top_work(events, device)
     return out
+
+
+def top_work(events, device: torch.device, count: int = 15) -> tuple[float, list[dict]]:
+    """Where a profiled step's time goes: (seconds of work in all, the `count` costliest kinds of work). On CUDA the
+    kernels by device time (their sum against the step's time says whether the step waits on the host); on the
+    CPU the aten operators by their own time."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list] = {}
+    for e in events:
+        if device.type == "cuda" and e.device_type == DeviceType.CUDA:
+            spent = e.time_range.elapsed_us()
+        elif device.type != "cuda" and e.device_type == DeviceType.CPU and e.name.startswith("aten::"):
+            spent = e.self_cpu_time_total
+        else:
+            continue
+        entry = totals.setdefault(e.name[:120], [0, 0.0])
+        entry[0], entry[1] = entry[0] + 1, entry[1] + spent
+    whole = sum(spent for _, spent in totals.values())
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
+    rows = [{"name": name, "calls": calls, "us": round(spent, 1), "share": round(spent / max(whole, 1e-9), 3)}
+            for name, (calls, spent) in ranked]  # fmt: skip
+    return whole / 1e6, rows
 
 
 def sync_sites(step) -> list[str]:

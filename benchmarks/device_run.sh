@@ -80,7 +80,7 @@ if wants decode; then
     # decoding tokens/s at 512 / 1,024 / 4,096 tokens of context (its rows go under "decoding" in gpu.json)
     # (TORCH_LOGS=recompiles: why a compiled decoding step compiled again, in decode.log)
     TORCH_LOGS=recompiles timeout $((DECODE_BUDGET + 60)) python3 benchmarks/benchmark_decoding.py --device cuda \
-        --budget "$DECODE_BUDGET" --rows "${DECODE_ROWS:-.}" --out "$OUT/decode.json" 2>&1 \
+        --budget "$DECODE_BUDGET" --rows "${DECODE_ROWS:-.}" --out "$OUT/decode.json" --plot "$OUT/decoding.png" 2>&1 \
         | grep --line-buffered -v cudagraph_utils | tee "$OUT/decode.log" || status=1
 fi
 

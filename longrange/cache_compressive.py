@@ -19,7 +19,9 @@ from .cache_compressive_static import (
     StaticLayout,
     allocate_groups,
     mark_static_addresses,
+    put_row,
     rewind,
+    select_row,
     to_compact,
     to_static,
 )
@@ -412,44 +414,12 @@ class CompressiveMemoryCache(Cache):
             index = valid[row].nonzero()[:, 0]
             if index.numel() == 0:
                 continue
-            sub = self.select_row(row)
+            sub = select_row(self, row)
             sub.to_compact()
             results.append((row, index, run(sub, row, index)))
             sub.to_static(self._layout, layers)
-            self.put_row(row, sub)
+            put_row(self, row, sub)
         return results
-
-    def select_row(self, row: int) -> CompressiveMemoryCache:
-        """Static form: a new cache holding row `row` alone (copies)."""
-        sub = CompressiveMemoryCache(len(self.layers), crop_margin=self.crop_margin)
-        sub._layout = self._layout
-        for layer, sub_layer in zip(self.layers, sub.layers):
-            for name in CompressiveMemoryLayer._STATIC:
-                value = getattr(layer, name)
-                setattr(sub_layer, name, None if value is None else value[row : row + 1].clone())
-            sub_layer.rel_table = layer.rel_table
-        for name in self._ROWS:
-            setattr(sub, name, getattr(self, name)[row : row + 1].clone())
-        sub._host_rows = None if self._host_rows is None else [list(self._host_rows[row])]
-        sub._groups_ready = self._groups_ready
-        return sub
-
-    def put_row(self, row: int, sub: CompressiveMemoryCache) -> None:
-        """Static form: writes the one-row static cache `sub` back into row `row`."""
-        for layer, sub_layer in zip(self.layers, sub.layers):
-            for name in CompressiveMemoryLayer._STATIC:
-                value, sub_value = getattr(layer, name), getattr(sub_layer, name)
-                if value is not None and sub_value is not None:  # (group buffers may be stale: _groups_ready)
-                    value[row : row + 1] = sub_value
-        for name in self._ROWS:
-            getattr(self, name)[row : row + 1] = getattr(sub, name)
-        self._groups_ready = self._groups_ready and sub._groups_ready
-        self._step_geometry = None
-        if self._host_rows is not None:
-            if sub._host_rows is None:
-                self._host_rows = None
-            else:
-                self._host_rows[row] = list(sub._host_rows[0])
 
     # the memories proper (the projected keys/values are a derived buffer that inference rebuilds), and the static
     # form, whose rows may be at different fills: every buffer as it is, with the per-row counters

@@ -266,6 +266,40 @@ def mark_static_addresses(cache) -> None:
             torch._dynamo.mark_static_address(tensor)
 
 
+def select_row(cache, row: int):
+    """Static form: a new cache of the same class holding row `row` alone (copies)."""
+    sub = type(cache)(len(cache.layers), crop_margin=cache.crop_margin)
+    sub._layout = cache._layout
+    for layer, sub_layer in zip(cache.layers, sub.layers):
+        for name in layer._STATIC:
+            value = getattr(layer, name)
+            setattr(sub_layer, name, None if value is None else value[row : row + 1].clone())
+        sub_layer.rel_table = layer.rel_table
+    for name in cache._ROWS:
+        setattr(sub, name, getattr(cache, name)[row : row + 1].clone())
+    sub._host_rows = None if cache._host_rows is None else [list(cache._host_rows[row])]
+    sub._groups_ready = cache._groups_ready
+    return sub
+
+
+def put_row(cache, row: int, sub) -> None:
+    """Static form: writes the one-row static cache `sub` (see `select_row`) back into row `row` of `cache`."""
+    for layer, sub_layer in zip(cache.layers, sub.layers):
+        for name in layer._STATIC:
+            value, sub_value = getattr(layer, name), getattr(sub_layer, name)
+            if value is not None and sub_value is not None:  # (group buffers may be stale: _groups_ready)
+                value[row : row + 1] = sub_value
+    for name in cache._ROWS:
+        getattr(cache, name)[row : row + 1] = getattr(sub, name)
+    cache._groups_ready = cache._groups_ready and sub._groups_ready
+    cache._step_geometry = None
+    if cache._host_rows is not None:
+        if sub._host_rows is None:
+            cache._host_rows = None
+        else:
+            cache._host_rows[row] = list(sub._host_rows[0])
+
+
 def rewind(cache, count: int) -> None:
     """`crop`'s work on the static form: the counters go back by `count` tokens of every row, to their values
     before the segment completions undone (recorded in `rows_history`); the buffers still hold what they point to."""

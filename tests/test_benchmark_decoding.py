@@ -37,6 +37,11 @@ def test_rows_are_measured_and_added_to_an_existing_json(bench, tmp_path, monkey
     assert measured["new_tokens"] == 6 and len(measured["per_token_s"]) == 5 and measured["tokens_per_s"] > 0
     assert rows["llama/llama/eager/64"]["error"] == "error: RuntimeError: out of memory"
     assert written["decoding"]["complete"]
+    # the record redrawn: a plot of the measured rows and the table again, nothing measured
+    monkeypatch.setattr(bench, "measure", None)
+    image = tmp_path / "decoding.png"
+    again = bench.main(["--plot-only", str(out), "--plot", str(image)])
+    assert again["rows"] == rows and image.stat().st_size > 10_000
 
 
 def test_ratios_and_context_scaling(bench):

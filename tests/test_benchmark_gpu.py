@@ -48,6 +48,13 @@ def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, ca
     measured = rows["llama/llama/bf16/eager/2x64"]
     assert "error" not in measured and measured["tokens_per_s"] > 0 and len(measured["step_s"]) == 2
     assert measured["aten_ops_per_step"] > 0 and measured["parameters"] > 0
+    # where the step's time went: the costliest operators (kernels on CUDA), their shares of it adding up to <= 1
+    top = measured["top_work"]
+    assert 0 < len(top) <= 15 and all(t["name"].startswith("aten::") and t["calls"] >= 1 for t in top)
+    assert [t["us"] for t in top] == sorted((t["us"] for t in top), reverse=True) and sum(
+        t["share"] for t in top
+    ) <= 1.001
+    assert 0 < measured["busy_s"] <= measured["median_step_s"] * 10
     assert payload["rows"].keys() == rows.keys()
     printed = capsys.readouterr().out
     assert "| llama/llama/tf32/eager/2x64 |" in printed and "error: RuntimeError" in printed
