@@ -234,27 +234,28 @@ def sync(device: torch.device) -> None:
 
 def summarise(results: dict[str, dict], size: dict) -> dict:
     """Ours / Llama-compiled and ours / reference at each context, and per-token time at the longest context over
-    the shortest (issue 10: within 1.2x), from each of our rows."""
+    the shortest (issue 10: within 1.2x), from each of our rows; for every compiled row (Llama's too, the
+    reference behaviour) the share of its greedy tokens equal to the eager row's."""
     rate = {key: r.get("tokens_per_s") for key, r in results.items()}
     out = {}
     short, long = min(size["contexts"]), max(size["contexts"])
     for key, r in results.items():
         row = Row(**r["row"])
-        if row.side != "ours":
+        if row.side == "reference":
             continue
-        mine = rate.get(key)
-        llama = rate.get(f"llama/llama/compiled/{row.context}")
-        reference = rate.get(f"{row.family}/reference/eager/{row.context}")
-        entry = {
-            "vs_llama_static_compiled": mine / llama if mine and llama else None,
-            "vs_reference": mine / reference if mine and reference else None,
-        }
-        eager = results.get(f"{row.family}/ours/eager/{row.context}", {}).get("tokens")
+        entry = {}
+        eager = results.get(f"{row.family}/{row.side}/eager/{row.context}", {}).get("tokens")
         if row.mode == "compiled" and eager and r.get("tokens"):  # the same greedy tokens as eager decoding
             entry["tokens_equal_eager"] = sum(a == b for a, b in zip(r["tokens"], eager)) / len(eager)
-        if row.context == long:
-            first = rate.get(f"{row.family}/ours/{row.mode}/{short}")
-            entry[f"time_per_token_{long}_over_{short}"] = first / mine if mine and first else None
+        if row.side == "ours":
+            mine = rate.get(key)
+            llama = rate.get(f"llama/llama/compiled/{row.context}")
+            reference = rate.get(f"{row.family}/reference/eager/{row.context}")
+            entry["vs_llama_static_compiled"] = mine / llama if mine and llama else None
+            entry["vs_reference"] = mine / reference if mine and reference else None
+            if row.context == long:
+                first = rate.get(f"{row.family}/ours/{row.mode}/{short}")
+                entry[f"time_per_token_{long}_over_{short}"] = first / mine if mine and first else None
         out[key] = entry
     return out
 
