@@ -216,6 +216,8 @@ def measure(row: Row, size: dict, device: torch.device, backend: str, models: di
     result["tokens"] = out[0, row.context :].tolist()
     gaps = [b - a for a, b in zip(stamps.stamps[1:], stamps.stamps[2:])]
     median = statistics.median(gaps)
+    if row.side == "ours" and row.context == sorted(size["contexts"])[len(size["contexts"]) // 2]:
+        result["decoding_work"] = decoding_work(model, prompt, kwargs, device)
     return {
         **result,
         "new_tokens": count,
@@ -225,6 +227,30 @@ def measure(row: Row, size: dict, device: torch.device, backend: str, models: di
         "tokens_per_s": 1 / median,
         "end_to_end_tokens_per_s": count / total,
     }
+
+
+def decoding_work(model, prompt, kwargs: dict, device: torch.device, steps: int = 8) -> dict:
+    """The work of one decoding step: two profiled generate() calls, one new token (the prompt's forward alone) and
+    1 + `steps`, and their difference per step: on CUDA the kernels' device time per token (against the per-token
+    time: how much of it the device is busy; kernels replayed inside a CUDA graph may not be reported, then the
+    sum is near 0) and the costliest kernels; on the CPU the aten operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = _sibling("benchmark_gpu")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    totals = []
+    for count in (1, 1 + steps):
+        with profile(activities=activities) as prof:
+            model.generate(prompt, max_new_tokens=count, min_new_tokens=count, **kwargs)
+            sync(device)
+        totals.append(gpu.work_by_kind(prof.events(), device))
+    per_step = {}
+    for name, (calls, spent) in totals[1].items():
+        before = totals[0].get(name, [0, 0.0])
+        if calls > before[0] and spent > before[1]:  # (same calls in both: the prompt's work, timing noise)
+            per_step[name] = [(calls - before[0]) / steps, (spent - before[1]) / steps]
+    busy, top = gpu.ranked_work(per_step)
+    return {"steps": steps, "busy_s_per_token": busy, "top_work_per_token": top}
 
 
 def sync(device: torch.device) -> None:

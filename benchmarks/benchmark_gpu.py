@@ -284,6 +284,11 @@ def top_work(events, device: torch.device, count: int = 15) -> tuple[float, list
     """Where a profiled step's time goes: (seconds of work in all, the `count` costliest kinds of work). On CUDA the
     kernels by device time (their sum against the step's time says whether the step waits on the host); on the
     CPU the aten operators by their own time."""
+    return ranked_work(work_by_kind(events, device), count)
+
+
+def work_by_kind(events, device: torch.device) -> dict[str, list]:
+    """{kernel (CUDA) or aten operator (CPU) name: [calls, microseconds]} of profiler events."""
     from torch.autograd import DeviceType
 
     totals: dict[str, list] = {}
@@ -296,6 +301,11 @@ def top_work(events, device: torch.device, count: int = 15) -> tuple[float, list
             continue
         entry = totals.setdefault(e.name[:120], [0, 0.0])
         entry[0], entry[1] = entry[0] + 1, entry[1] + spent
+    return totals
+
+
+def ranked_work(totals: dict[str, list], count: int = 15) -> tuple[float, list[dict]]:
+    """(seconds in all, the `count` costliest entries of `work_by_kind` with their share of the whole)."""
     whole = sum(spent for _, spent in totals.values())
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
     rows = [{"name": name, "calls": calls, "us": round(spent, 1), "share": round(spent / max(whole, 1e-9), 3)}

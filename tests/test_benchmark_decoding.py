@@ -77,3 +77,14 @@ def test_a_compiled_row_that_compiles_nothing_is_an_error_not_an_eager_figure(be
     bench.model_for(row, size, cpu, models)
     with pytest.raises(RuntimeError, match="compiled nothing"):
         bench.measure(row, size, cpu, "aot_eager", models)
+
+
+def test_decoding_work_is_the_profiled_difference_of_two_generate_calls(bench):
+    size, cpu = bench.sizes(quick=True), bench.torch.device("cpu")
+    row = bench.Row("sinkhorn", "ours", "eager", 32)
+    model, _ = bench.model_for(row, size, cpu, {})
+    prompt = bench.torch.randint(1, 256, (1, 32))
+    work = bench.decoding_work(model, prompt, bench.generate_kwargs(row, cpu, "aot_eager"), cpu, steps=2)
+    top = work["top_work_per_token"]
+    assert work["steps"] == 2 and work["busy_s_per_token"] > 0 and top
+    assert all(t["name"].startswith("aten::") and t["calls"] > 0 and t["us"] > 0 for t in top)
