@@ -8,7 +8,9 @@ keys/values of its current query buckets (chosen buckets, own bucket so far) in 
 (`RoutingState.window`), built from the cache only when some row enters a new bucket and otherwise extended by the
 new token, and skips routing on the steps where no row starts a bucket: the static step's numbers (up to float
 rounding: the window is cut after the last slot any row reached) with far fewer operators. Compiled steps, every
-step of a cache on an accelerator and, with `static_steps=True`, every step take the static path.
+step of a cache on an accelerator and, with `static_steps=True`, every step take the static path; there generate()
+tells the cache that every row's new token is real (`SinkhornCache.plan_real_step`), so the host knows whether
+some row starts a bucket, and the other steps skip routing (compiled: one graph for each case).
 
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
@@ -71,12 +73,16 @@ class DecodingStep(NamedTuple):
     host: None (a static step), or (positions, reals, epoch, memo) in a host-following step: the same numbers as
         Python lists, the cache's epoch (working windows built before it are stale) and a dict in which the
         step's head groups share index tensors (see `RoutingState.step_index`);
-    origin: the key/value slot of position 0."""
+    origin: the key/value slot of position 0;
+    routes: False when the host knows that no row's token leads a bucket, so that no head group routes (a static
+        step of generate(), see `SinkhornCache.plan_real_step`); True: the heads decide (every static step
+        computes a choice and keeps it where a token leads a bucket)."""
 
     position: torch.Tensor
     real: torch.Tensor
     host: tuple | None
     origin: int
+    routes: bool = True
 
 
 class RoutingState:
@@ -477,6 +483,8 @@ class SinkhornCache(Cache):
         self.step_host = None  # during a host-following step: (positions, real) of every row, Python lists
         self.step_memo = None  # and the index tensors its layers share (see RoutingState.step_index)
         self.host_epoch = 0  # bumped whenever the state changes outside host-following steps (windows go stale)
+        self.step_routes = None  # for the next step only: whether some row's token leads a bucket (plan_real_step)
+        self._pads_host = None  # (host_epoch, each row's padding tokens so far), read back by plan_real_step
         self._compiled_step = False  # a compiled step ran since the last eager one (windows are stale)
         # while attention maps are asked for (output_attentions): (embeddings [b, n, e], position ids [b, n],
         # context, context mask) of every token given so far, for the maps of later cached steps
@@ -535,10 +543,22 @@ class SinkhornCache(Cache):
             self.step_host, self.step_memo = (self.lengths.tolist(), real.tolist()), {}
         self.token_mask.scatter_(1, self.seen.view(1, 1).expand(real.shape[0], 1), real[:, None])
 
+    def plan_real_step(self) -> None:
+        """generate()'s word before a one-token decoding step: every row's new token is real (generate() appends
+        one to every row). The host then knows each row's position (the tokens given so far less the row's
+        padding, read back once per change of the state) and so whether any row's token leads a bucket, for
+        either bucket offset: on the other steps no head group routes (`DecodingStep.routes`), a compiled step
+        included (one graph for each answer)."""
+        seen = self.get_seq_length()
+        if self._pads_host is None or self._pads_host[0] != self.host_epoch:
+            self._pads_host = (self.host_epoch, [seen - n for n in self.lengths.tolist()])
+        size = self.bucket_size
+        self.step_routes = any((seen - pad + off) % size == 0 for pad in self._pads_host[1] for off in (0, 1))
+
     def end_step(self, real: torch.Tensor) -> None:
         self.lengths.add_(real.long())
         self.seen.add_(1)
-        self.step_real = self.step_host = self.step_memo = None
+        self.step_real = self.step_host = self.step_memo = self.step_routes = None
         if torch.compiler.is_compiling():
             self._seen_host = None
             self._compiled_step = True  # (written, never read, in the graph: no guard on it)
@@ -549,7 +569,7 @@ class SinkhornCache(Cache):
     def step(self) -> DecodingStep:
         """The decoding step under way (between `begin_step` and `end_step`)."""
         host = None if self.step_host is None else (*self.step_host, self.host_epoch, self.step_memo)
-        return DecodingStep(self.lengths, self.step_real, host, self.origin)
+        return DecodingStep(self.lengths, self.step_real, host, self.origin, self.step_routes is not False)
 
     @property
     def host_seq_length(self) -> int | None:
@@ -628,21 +648,6 @@ class SinkhornCache(Cache):
             old_embeds, old_positions, context, context_mask = self.recorded
             embeds, positions = torch.cat([old_embeds, embeds], 1), torch.cat([old_positions, positions], 1)
         self.recorded = (embeds, positions, context, context_mask)
-
-    def record_step_inputs(self, embeds, positions, mask):
-        """Records a cached step's inputs (embeddings [b, n, e], position ids and padding mask [b, n]) -> those of
-        every token given so far, for a forward without the cache that gives the step's attention maps
-        (`sinkhorn_steps.step_with_attentions`): (embeddings, position ids, mask, context, context mask)."""
-        if self.recorded is None:
-            raise ValueError(
-                "SinkhornModel: output_attentions on tokens fed on top of a filled cache needs the forward that "
-                "filled it to ask for output_attentions too"
-            )
-        past = self.recorded[0].shape[1]
-        full_mask = torch.cat([self.token_mask[:, :past], mask], dim=1)
-        self.record_inputs(embeds, positions)
-        all_embeds, all_positions, context, context_mask = self.recorded
-        return all_embeds, all_positions, full_mask, context, context_mask
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -42,7 +42,7 @@ from transformers.utils.generic import can_return_tuple
 # folder some transformers releases (5.5, the floor) do not follow the imports of those modules, so every module
 # a saved model needs is imported here directly (tests/test_checkpoints.py checks the list is complete).
 from .cache_sinkhorn import SinkhornCache
-from .compat import cache_output, check_assisted_decoding, use_own_cache
+from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
 from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
@@ -592,6 +592,17 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
         if requested is not None:
             max_cache_length = max(max_cache_length, requested)
         model_kwargs["cache"] = SinkhornCache(self.config, max_cache_len=max_cache_length)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs) -> dict:
+        """transformers' inputs; before a one-token step on a filled cache, the cache is told that the new token is
+        real in every row, so that it knows on the host whether routing can be skipped (`plan_real_step`)."""
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+        )
+        cache, new = inputs.get(CACHE_NAME), inputs.get("input_ids", inputs.get("inputs_embeds"))
+        if isinstance(cache, SinkhornCache) and cache.prefilled and new is not None and new.shape[1] == 1:
+            cache.plan_real_step()
+        return inputs
 
     def create_masks_for_generate(self, attention_mask=None, cache=None, inputs_embeds=None, **kwargs):
         if attention_mask is not None and isinstance(cache, SinkhornCache) and cache.prefilled:

@@ -336,7 +336,7 @@ class CausalDecoding:
         starts a bucket, and the cache reuses the last step's window otherwise."""
         ix = state.step_index(step, q.shape)
         state.add_token(q, k, step.position, ix)
-        routes = step.host is None or state.any_row_leads(step.host)
+        routes = step.routes if step.host is None else state.any_row_leads(step.host)
         if routes:
             self._route(state, step.position, ix["counted"], ix["u"])
         keys_all, values_all, bias = state.window((keys, values), heads, step, ix, (k, v), routes, q.dtype)
@@ -652,7 +652,8 @@ class CausalContextHeads(CausalSinkhornHeads):
         """Causal decoder cross-attention of one new token per row (q [b, h, 1, d]). context: the cached context
         (bucketed keys, values, mask and summaries, see `SinkhornLayerState.fill_cross`)."""
         state.add_query(q, step.position, step.real)
-        self._route(state, step.position, step.real, None, context)
+        if step.routes:
+            self._route(state, step.position, step.real, None, context)
         keys, values, mask = state.chosen_context(context)
         return attend(q, keys, values, mask, implementation=self.implementation)
 

@@ -42,6 +42,21 @@ def tokens_one_at_a_time(model, input_ids, inputs_embeds, attention_mask, positi
     return dict(last_hidden_state=torch.cat(outputs, dim=1), cache=cache, hidden_states=joined)
 
 
+def _inputs_so_far(cache, embeds, positions, mask):
+    """Records a cached step's inputs (embeddings [b, n, e], position ids and padding mask [b, n]) in the cache ->
+    those of every token given so far: (embeddings, position ids, mask, context, context mask)."""
+    if cache.recorded is None:
+        raise ValueError(
+            "SinkhornModel: output_attentions on tokens fed on top of a filled cache needs the forward that "
+            "filled it to ask for output_attentions too"
+        )
+    past = cache.recorded[0].shape[1]
+    full_mask = torch.cat([cache.token_mask[:, :past], mask], dim=1)
+    cache.record_inputs(embeds, positions)
+    all_embeds, all_positions, context, context_mask = cache.recorded
+    return all_embeds, all_positions, full_mask, context, context_mask
+
+
 def step_with_attentions(model, input_ids, inputs_embeds, attention_mask, positions, cache, hidden_states: bool):
     """Tokens on top of a filled cache with output_attentions: the cached step gives the outputs, and the new
     tokens' attention rows [batch, heads, new, all tokens so far] come from a forward over every token given so
@@ -55,7 +70,7 @@ def step_with_attentions(model, input_ids, inputs_embeds, attention_mask, positi
     )
     if positions is None:  # as the step computes them
         positions = position_ids(mask, cache.lengths[:, None])
-    all_embeds, all_positions, full_mask, context, context_mask = cache.record_step_inputs(embeds, positions, mask)
+    all_embeds, all_positions, full_mask, context, context_mask = _inputs_so_far(cache, embeds, positions, mask)
     full = model.forward(
         inputs_embeds=all_embeds, attention_mask=full_mask, position_ids=all_positions,
         encoder_hidden_states=context, encoder_attention_mask=context_mask, use_cache=False,

@@ -108,6 +108,36 @@ def test_pipeline_batch_size_1_and_8_give_the_same_texts():
 # ------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lengths", [[9, 4], [5]])
+def test_static_generate_steps_route_only_when_a_row_starts_a_bucket(lengths, monkeypatch):
+    """The static steps of generate() (an accelerator's, compiled or not) skip routing on the steps where the host
+    knows no row's token leads a bucket of either offset, and give the tokens of routing at every step."""
+    from longrange.sinkhorn_heads import CausalSinkhornHeads
+
+    model = causal_lm(seed=7, **{**VARIANTS["local+shifted"], "bucket_size": 8})
+    ids, mask = left_pad(prompts_of(lengths, seed=8))
+    new, route = 12, CausalSinkhornHeads._route
+
+    def generate(plan: bool):
+        calls = []
+        monkeypatch.setattr(CausalSinkhornHeads, "_route", lambda self, *a: calls.append(1) or route(self, *a))
+        if not plan:  # as before: every static step computes a routing choice
+            monkeypatch.setattr(SinkhornCache, "plan_real_step", lambda self: None)
+        cache = SinkhornCache(model.config, max_cache_len=32, static_steps=True)
+        kwargs = {CACHE_NAME: cache, "max_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+        out = model.generate(ids, attention_mask=mask, eos_token_id=None, **kwargs)
+        monkeypatch.undo()
+        return out, len(calls)
+
+    planned, routed = generate(plan=True)
+    every, routed_every = generate(plan=False)
+    assert torch.equal(planned, every)
+    per_step = routed_every // (new - 1)  # decoding steps after the prompt's forward
+    positions = [[n + step for n in lengths] for step in range(new - 1)]  # each row's new token's position
+    leading = sum(any((p + off) % 8 == 0 for p in row for off in (0, 1)) for row in positions)
+    assert 0 < leading < new - 1 and routed == leading * per_step
+
+
 def test_generate_sizes_a_static_compileable_cache():
     model = causal_lm(**VARIANTS["local+shifted"])
     out = model.generate(
@@ -185,7 +215,9 @@ def _compiled_generate_equals_eager_and_uncached(backend, monkeypatch):
     records, processors = record_cache_addresses(model, monkeypatch)
     compiled = model.generate(ids, logits_processor=processors, **kwargs)
     assert torch.equal(eager, uncached) and torch.equal(compiled, eager)
-    assert len(graphs) == 1 and number_inputs(graphs) == []  # one graph for every step, no Python number taken
+    # two graphs for all 12 steps (steps where some row starts a bucket route, the others skip routing), taking
+    # no Python number
+    assert len(graphs) == 2 and number_inputs(graphs) == []
     # what CUDA graphs need: the steps update the cache where the prompt's forward allocated it
     assert len(records) == 12 and moved_tensors(records) == []
     return model
@@ -197,7 +229,7 @@ def test_generate_compiles_decoding_steps_and_gives_the_eager_tokens(monkeypatch
 
     counters.clear()
     _compiled_generate_equals_eager_and_uncached("eager", monkeypatch)  # dynamo's full-graph trace, no code generation
-    assert counters["stats"]["unique_graphs"] == 1  # one graph for every decoding step: no recompilation
+    assert counters["stats"]["unique_graphs"] == 2  # routing steps and the others: no recompilation per step
 
 
 @pytest.mark.slow
