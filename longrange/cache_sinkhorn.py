@@ -53,6 +53,15 @@ def _at_bucket(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor | None:
     return t.gather(2, u[:, None, None, None].expand(b, h, 1, k))[:, :, 0]
 
 
+def _join_own_bucket(window, slot: torch.Tensor, kv) -> None:
+    """The new token (kv: k, v [b, h, 1, d]) joins the own bucket of a kept window (keys, values [b, h, K, d], additive
+    mask [b, h, 1, K]) at its slot (`slot` [b, h, 1, d], see `RoutingState._step_index`), in place."""
+    keys, values, bias = window
+    keys.scatter_(2, slot, kv[0].to(keys.dtype))
+    values.scatter_(2, slot, kv[1].to(values.dtype))
+    bias.scatter_(3, slot[..., :1], 0.0)
+
+
 def _map_state(state: dict, fn) -> dict:
     return {key: fn(val) if isinstance(val, torch.Tensor) else val for key, val in state.items()}
 
@@ -74,9 +83,9 @@ class DecodingStep(NamedTuple):
         Python lists, the cache's epoch (working windows built before it are stale) and a dict in which the
         step's head groups share index tensors (see `RoutingState.step_index`);
     origin: the key/value slot of position 0;
-    routes: False when the host knows that no row's token leads a bucket, so that no head group routes (a static
-        step of generate(), see `SinkhornCache.plan_real_step`); True: the heads decide (every static step
-        computes a choice and keeps it where a token leads a bucket)."""
+    routes: False when the host knows that no row's token leads a bucket, so that no head group routes and each
+        keeps its last window (a static step of generate(), see `SinkhornCache.plan_real_step`); True: every
+        static step computes a choice, keeps it where a token leads a bucket, and builds its window."""
 
     position: torch.Tensor
     real: torch.Tensor
@@ -186,7 +195,7 @@ class RoutingState:
         new bucket and no row `routed`, only writes the new token (kv: its k, v [b, h, 1, d]) into it, cut after
         the last own-bucket slot any row has reached (the keys after it are masked in every row)."""
         if step.host is None:
-            return self._window(bank, heads, step.position, ix["u"], dtype)
+            return self._static_window(bank, heads, step, ix, kv, dtype)
         size, off = self.group.bucket_size, self.group.offset
         positions, _, epoch, _ = step.host
         buckets = [(p + off) // size for p in positions]
@@ -195,14 +204,24 @@ class RoutingState:
             window = ((epoch, buckets), *self._window(bank, heads, step.position, ix["u"], dtype))
             self.window_cache = window
         else:  # the same buckets: the new token joins the own bucket (its last `size` slots)
-            _, keys_all, values_all, bias = window
-            slot = ix["own"]  # [b, h, 1, d]
-            keys_all.scatter_(2, slot, kv[0].to(keys_all.dtype))
-            values_all.scatter_(2, slot, kv[1].to(values_all.dtype))
-            bias.scatter_(3, slot[..., :1], 0.0)
+            _join_own_bucket(window[1:], ix["own"], kv)
         _, keys_all, values_all, bias = window
         end = keys_all.shape[2] - size + 1 + max((p + off) % size for p in positions)
         return keys_all[:, :, :end], values_all[:, :, :end], bias[..., :end]
+
+    def _static_window(self, bank, heads: slice, step: DecodingStep, ix: dict, kv, dtype):
+        """A static step's window, kept in the state's window buffers: built anew when the step `routes`, else (no
+        row enters a new bucket: generate()'s word, see `SinkhornCache.plan_real_step`) the kept one with the new
+        token joining the own bucket."""
+        t = self.tensors
+        kept = (t["window_keys"], t["window_values"], t["window_bias"])
+        if not step.routes:
+            _join_own_bucket(kept, ix["own"], kv)
+            return kept[0], kept[1], kept[2].to(dtype)
+        window = self._window(bank, heads, step.position, ix["u"], dtype)
+        for buffer, new in zip(kept, window):
+            buffer.copy_(new)
+        return window
 
     def _window(self, bank, heads: slice, position, u, dtype):
         """The static window of `window` (K = (n_sel + 1) * bucket_size)."""
@@ -349,6 +368,9 @@ class SinkhornLayerState:
                 if "k_run_sum" in record:
                     state["k_run_sum"] = record["k_run_sum"].detach().clone()
                     state["k_run_count"] = record["k_run_count"].clone()
+                width = (group.n_top + 1) * owner.bucket_size  # a step's window: the chosen buckets, the own one
+                state["window_keys"], state["window_values"] = (t.new_zeros(b, e - s, width, d) for t in (k, v))
+                state["window_bias"] = q.new_zeros(b, e - s, 1, width)
                 state = RoutingState(group, _map_state(state, _static))
             self.groups.append(state)
 
@@ -485,6 +507,7 @@ class SinkhornCache(Cache):
         self.host_epoch = 0  # bumped whenever the state changes outside host-following steps (windows go stale)
         self.step_routes = None  # for the next step only: whether some row's token leads a bucket (plan_real_step)
         self._pads_host = None  # (host_epoch, each row's padding tokens so far), read back by plan_real_step
+        self._window_epoch = None  # the host_epoch of the static steps' kept windows (None: not kept)
         self._compiled_step = False  # a compiled step ran since the last eager one (windows are stale)
         # while attention maps are asked for (output_attentions): (embeddings [b, n, e], position ids [b, n],
         # context, context mask) of every token given so far, for the maps of later cached steps
@@ -538,22 +561,22 @@ class SinkhornCache(Cache):
         self.step_real = real
         self.step_host = None
         if self.follows_host:
+            self._window_epoch = None  # host-following steps keep windows of their own
             if self._compiled_step:
                 self.host_epoch, self._compiled_step = self.host_epoch + 1, False
             self.step_host, self.step_memo = (self.lengths.tolist(), real.tolist()), {}
         self.token_mask.scatter_(1, self.seen.view(1, 1).expand(real.shape[0], 1), real[:, None])
 
     def plan_real_step(self) -> None:
-        """generate()'s word before a one-token decoding step: every row's new token is real (generate() appends
-        one to every row). The host then knows each row's position (the tokens given so far less the row's
-        padding, read back once per change of the state) and so whether any row's token leads a bucket, for
-        either bucket offset: on the other steps no head group routes (`DecodingStep.routes`), a compiled step
-        included (one graph for each answer)."""
+        """generate()'s word before a one-token step: every row's new token is real. The host then knows each row's
+        position (padding read back once per change of the state) and whether a row leads a bucket of either
+        offset; the other steps neither route nor rebuild windows (`DecodingStep.routes`; compiled: a graph each)."""
         seen = self.get_seq_length()
         if self._pads_host is None or self._pads_host[0] != self.host_epoch:
             self._pads_host = (self.host_epoch, [seen - n for n in self.lengths.tolist()])
-        size = self.bucket_size
-        self.step_routes = any((seen - pad + off) % size == 0 for pad in self._pads_host[1] for off in (0, 1))
+        size, kept = self.bucket_size, self._window_epoch == self.host_epoch
+        leads = any((seen - pad + off) % size == 0 for pad in self._pads_host[1] for off in (0, 1))
+        self.step_routes, self._window_epoch = leads or not kept, self.host_epoch
 
     def end_step(self, real: torch.Tensor) -> None:
         self.lengths.add_(real.long())

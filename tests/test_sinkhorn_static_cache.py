@@ -110,8 +110,9 @@ def test_pipeline_batch_size_1_and_8_give_the_same_texts():
 
 @pytest.mark.parametrize("lengths", [[9, 4], [5]])
 def test_static_generate_steps_route_only_when_a_row_starts_a_bucket(lengths, monkeypatch):
-    """The static steps of generate() (an accelerator's, compiled or not) skip routing on the steps where the host
-    knows no row's token leads a bucket of either offset, and give the tokens of routing at every step."""
+    """The static steps of generate() (an accelerator's, compiled or not) skip routing, and keep their windows, on
+    the steps where the host knows no row's token leads a bucket of either offset (the first step after the prompt
+    builds the windows), and give the tokens of routing at every step."""
     from longrange.sinkhorn_heads import CausalSinkhornHeads
 
     model = causal_lm(seed=7, **{**VARIANTS["local+shifted"], "bucket_size": 8})
@@ -134,7 +135,9 @@ def test_static_generate_steps_route_only_when_a_row_starts_a_bucket(lengths, mo
     assert torch.equal(planned, every)
     per_step = routed_every // (new - 1)  # decoding steps after the prompt's forward
     positions = [[n + step for n in lengths] for step in range(new - 1)]  # each row's new token's position
-    leading = sum(any((p + off) % 8 == 0 for p in row for off in (0, 1)) for row in positions)
+    leading = sum(
+        step == 0 or any((p + off) % 8 == 0 for p in row for off in (0, 1)) for step, row in enumerate(positions)
+    )
     assert 0 < leading < new - 1 and routed == leading * per_step
 
 
