@@ -15,6 +15,7 @@ from longrange.modeling_sinkhorn import SinkhornForCausalLM
 from longrange.tokenization import byte_tokenizer
 from tests.dispatch_utils import (
     count_dispatched_ops,
+    kernel_ops,
     moved_tensors,
     needs_current_assisted_decoding,
     needs_traceable_outputs,
@@ -139,6 +140,24 @@ def test_static_generate_steps_route_only_when_a_row_starts_a_bucket(lengths, mo
         step == 0 or any((p + off) % 8 == 0 for p in row for off in (0, 1)) for step, row in enumerate(positions)
     )
     assert 0 < leading < new - 1 and routed == leading * per_step
+
+
+def test_a_static_step_that_does_not_route_launches_a_fraction_of_the_kernels():
+    """What skipping routing and keeping the windows buys an accelerator's decoding step (a kernel each operator
+    there), without any host read: the step after the one that rebuilt the windows."""
+    model = causal_lm(seed=7, **{**VARIANTS["local+shifted"], "bucket_size": 8})
+    cache = SinkhornCache(model.config, max_cache_len=64, static_steps=True)
+    token = torch.tensor([[5]])
+    with torch.no_grad():
+        model(torch.randint(1, 40, (1, 10)), cache=cache, use_cache=True)
+
+        def step():  # positions 10 then 11: neither leads a bucket of offset 0 or 1
+            cache.plan_real_step()
+            return model(token, cache=cache, use_cache=True)
+
+        rebuilding, keeping = count_dispatched_ops(step), count_dispatched_ops(step)
+    assert sync_ops(rebuilding) == sync_ops(keeping) == {}
+    assert sum(kernel_ops(keeping).values()) < 0.5 * sum(kernel_ops(rebuilding).values())
 
 
 def test_generate_sizes_a_static_compileable_cache():
