@@ -594,20 +594,24 @@ class SinkhornForCausalLM(_SinkhornLanguageModel, GenerationMixin):
         model_kwargs["cache"] = SinkhornCache(self.config, max_cache_len=max_cache_length)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs) -> dict:
-        """transformers' inputs; before a one-token step on a filled cache, the cache is told that the new token is
-        real in every row, so that it knows on the host whether routing can be skipped (`plan_real_step`)."""
+        """transformers' inputs; on a filled cache, the padding mask of the new tokens only, as a fresh tensor (a
+        view of the growing mask would change strides every step, and a compiled step would be compiled and
+        recorded again), and before a one-token step the cache is told that the new token is real in every row,
+        so that it knows on the host whether routing can be skipped (`plan_real_step`)."""
         inputs = super().prepare_inputs_for_generation(
             input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
         )
         cache, new = inputs.get(CACHE_NAME), inputs.get("input_ids", inputs.get("inputs_embeds"))
-        if isinstance(cache, SinkhornCache) and cache.prefilled and new is not None and new.shape[1] == 1:
-            cache.plan_real_step()
+        if isinstance(cache, SinkhornCache) and cache.prefilled and new is not None:
+            mask = inputs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                inputs["attention_mask"] = mask[:, -new.shape[1] :].clone(memory_format=torch.contiguous_format)
+            if new.shape[1] == 1:
+                cache.plan_real_step()
         return inputs
 
-    def create_masks_for_generate(self, attention_mask=None, cache=None, inputs_embeds=None, **kwargs):
-        if attention_mask is not None and isinstance(cache, SinkhornCache) and cache.prefilled:
-            # a fixed shape and fixed strides (a view's would change every step) for compiled decoding steps
-            return attention_mask[:, -inputs_embeds.shape[1] :].clone(memory_format=torch.contiguous_format)
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """The 2-D padding mask as it is (the model builds its bucket masks itself; see prepare_inputs_for_generation)."""
         return attention_mask
 
     def _random_truncate(self, input_ids, attention_mask, labels):
