@@ -19,7 +19,8 @@ Precision: bf16 weights on CUDA (`model.to(torch.bfloat16)`), fp32 on the CPU.
 Per-token time: a streamer stamps every emitted token; a row's rate is 1 / the median gap between consecutive
 tokens after the first (the prompt's forward), measured on the second generate() call of the row (the first
 warms up and, for compiled rows, compiles: reported as `warmup_s`). One model serves the rows of a (family, side,
-mode) at every context, so a compiled step whose shapes do not change with the context compiles once. `--out` gets the rows under the key
+mode) at every context, so a compiled step whose shapes do not change with the context compiles once (our
+Sinkhorn rows size the cache for the longest context every time; Llama's static cache follows each row's length). `--out` gets the rows under the key
 "decoding" (other keys of an existing file, such as `benchmark_gpu.py`'s training rows, are kept).
 """
 
@@ -123,7 +124,11 @@ def build(row: Row, size: dict):
             return AutoregressiveWrapper(SinkhornTransformerLM(max_seq_len=window, **opts)).eval()
         from longrange import SinkhornConfig, SinkhornForCausalLM
 
-        return SinkhornForCausalLM(SinkhornConfig(max_seq_len=-(-longest // bucket) * bucket, **opts)).eval()
+        model = SinkhornForCausalLM(SinkhornConfig(max_seq_len=-(-longest // bucket) * bucket, **opts)).eval()
+        # one cache size for every context (as a server would size it), so that the compiled step is compiled for
+        # the first context only; a larger cache than a row needs (the longest context's) costs that row, if anything
+        model.generation_config.max_cache_len = longest
+        return model
     return gpu.llama(width, longest).eval()
 
 

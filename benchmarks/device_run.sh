@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (the GPU issue): short `train.py` runs through Accelerate (FSDP with one process,
-# --compile), the decoding benchmark, then the training benchmark, on one H200. Sized for one device command
-# (600 s at most: install ~20 s + train checks <= 150 s + decoding <= DECODE_BUDGET + 60 s = 200 s + training
-# benchmark <= BENCH_BUDGET + 60 s = 220 s), so that a session's 15 device minutes also cover the machine's start
-# (under a minute on 2026-12-04) and a rerun of one phase. Pass/fail checks first: on 2026-12-04 the first
-# compiled rows of the training benchmark took 110 s to compile, and a 150 s budget left no room for decoding.
+# The one prepared GPU run (the GPU issue): the decoding benchmark, then the training benchmark, on one H200; the
+# pass/fail `train` phase (short `train.py` runs through Accelerate's FSDP2 with one process, and --compile) on
+# its own. Sized for one device command (600 s at most: install ~20 s + decoding <= DECODE_BUDGET + 60 s = 260 s +
+# training benchmark <= BENCH_BUDGET + 60 s = 260 s), so that a session's 15 device minutes also cover the
+# machine's start (under a minute on 2026-12-04) and a shorter second command. On 2026-12-04 a compiled decoding
+# step took about 50 s to compile, a compiled training row 17-110 s.
 #
 # 1. Here, on a machine with PyPI (the device has none), once: download the wheels the device image lacks
 #    (the reference packages and their needs, transformers at our version, datasets / evaluate for the tests):
@@ -23,11 +23,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}
-BENCH_BUDGET=${BENCH_BUDGET:-160}
-DECODE_BUDGET=${DECODE_BUDGET:-140}
+BENCH_BUDGET=${BENCH_BUDGET:-200}
+DECODE_BUDGET=${DECODE_BUDGET:-200}
 OUT=${OUT:-/tmp/device-run}
-phases=${1:-all}  # one phase or several, comma-separated (decode,bench); all: train,decode,bench
-[ "$phases" = all ] && phases=train,decode,bench
+phases=${1:-all}  # one phase or several, comma-separated (decode,bench); all: decode,bench
+# (`train` - FSDP2 and --compile checks - passed on 2026-12-04; run it again when train.py or the FSDP path change)
+[ "$phases" = all ] && phases=decode,bench
 wants() { [[ ",$phases," == *",$1,"* ]]; }
 
 if [ "$phases" = fetch ]; then
