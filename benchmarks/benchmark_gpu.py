@@ -525,7 +525,8 @@ def metadata(device: torch.device) -> dict:
     }
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> tuple[argparse.Namespace, torch.device]:
+    """The command line, with every default that depends on --quick and the device filled in."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 warm-up + 2 timed steps; compiled rows "
@@ -565,6 +566,11 @@ def main(argv=None) -> dict:
         args.compile_backend = "aot_eager" if args.quick and device.type == "cpu" else "inductor"
     if args.threads is None:
         args.threads = 1 if args.quick and device.type == "cpu" else 0
+    return args, device
+
+
+def main(argv=None) -> dict:
+    args, device = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
