@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .layers import attend
+from .layers import attend, is_exporting
 
 NEG = -1e30  # routing score of a candidate that may not be chosen (float32 routing math)
 
@@ -33,15 +33,23 @@ def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch
     b, h, length, d = x.shape
     n = length // bucket
     m = mask.view(b, n, bucket).to(torch.float32)
-    sums = routing_einsum("bhnsd,bns->bhnd", x.view(b, h, n, bucket, d), m)  # a batched matmul, no temporary
+    # a product (bf16 inputs promote to float32) and a float32 sum: one fused reduction when compiled (a matmul or
+    # einsum would copy x first)
+    sums = (x.view(b, h, n, bucket, d) * m[:, None, :, :, None]).sum(3, dtype=torch.float32)
     return sums, m.sum(2)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[..., c] scores -> [..., k] indices of the k largest, best first, ties to the lowest index: the first k of a
-    stable descending sort, with operators that torch.onnx exports (it has no stable sort). k rounds, each taking the
-    lowest index holding the largest score not taken yet (also when that is -inf): k passes over the candidates,
-    faster than a sort for the few buckets a query chooses."""
+    stable descending sort (one kernel). torch.onnx exports no stable sort: while exporting, `_top_rounds`."""
+    if is_exporting():
+        return _top_rounds(scores, k)
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _top_rounds(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_indices` with operators that torch.onnx exports: k rounds, each taking the lowest index holding the
+    largest score not taken yet (also when that is -inf)."""
     taken = torch.zeros_like(scores, dtype=torch.bool)
     picks = []
     for _ in range(k):
@@ -153,7 +161,8 @@ def prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask (True = may attend) -> additive float mask (0 or the dtype's most negative value)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    zero, blocked = (torch.tensor(value, dtype=dtype) for value in (0.0, torch.finfo(dtype).min))  # host scalars
+    return torch.where(mask, zero, blocked)
 
 
 def attend_buckets(q, k, v, mask, dropout: float, implementation: str, bias=None, return_weights=False):

@@ -1,8 +1,9 @@
 """ONNX: the Sinkhorn models export with `torch.onnx.export(..., dynamo=True)` and run in onnxruntime as in eager.
 
 The exporter has no stable sort (`aten.sort.stable`), which the models used twice: to move each row's real tokens
-first (`real_tokens_first`) and to pick the best buckets with ties to the lowest index (`top_indices`). Both are now
-written with exportable operators; the first tests hold them to torch's stable sort, the reference they replace.
+first (`real_tokens_first`) and to pick the best buckets with ties to the lowest index (`top_indices`, which
+takes `_top_rounds` while exporting). Both are written with exportable operators; the first tests hold them to
+torch's stable sort, the reference they replace.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM
 from longrange.layers import real_tokens_first
-from longrange.sinkhorn_routing import top_indices
+from longrange.sinkhorn_routing import _top_rounds, top_indices
 
 VOCAB = 40
 
@@ -21,7 +22,7 @@ def stable_descending(scores: torch.Tensor) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
 
-def test_top_indices_are_a_stable_descending_sorts_first_k():
+def test_top_indices_are_a_stable_descending_sorts_first_k_also_in_exportable_rounds():
     generator = torch.Generator().manual_seed(0)
     scores = torch.randint(-3, 4, (3, 4, 5, 9), generator=generator).float()  # many ties
     scores[0, 0, 0] = -1e30  # every candidate masked alike (the routing's NEG)
@@ -29,8 +30,10 @@ def test_top_indices_are_a_stable_descending_sorts_first_k():
     scores[0, 0, 2] = float("-inf")
     scores[1, 1, 1, ::2] = -0.0  # -0.0 and 0.0 tie
     for k in range(1, 10):
+        assert torch.equal(_top_rounds(scores, k), stable_descending(scores)[..., :k]), k  # the export's form
         assert torch.equal(top_indices(scores, k), stable_descending(scores)[..., :k]), k
     distinct = torch.randn(2, 3, 17, generator=generator)
+    assert torch.equal(_top_rounds(distinct, 4), distinct.topk(4, dim=-1).indices)
     assert torch.equal(top_indices(distinct, 4), distinct.topk(4, dim=-1).indices)
 
 

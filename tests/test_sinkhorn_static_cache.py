@@ -202,7 +202,7 @@ def test_host_following_cpu_steps_equal_static_steps_and_skip_routing_between_bu
         torch.testing.assert_close(host, static, rtol=1e-6, atol=1e-6, msg=f"step {t}")
     # step 1: rows at positions 10 and 6, no bucket start of either offset (bucket 4); the window of step 0 is kept
     host_ops, static_ops = counts[False][1], counts[True][1]
-    routing = ("aten.sort", "aten.topk", "aten.argmax")  # (top_indices: argmax rounds)
+    routing = ("aten.sort", "aten.topk", "aten.argmax")  # (top_indices: a sort; argmax rounds when exporting)
     assert sum(host_ops[name] for name in routing) == 0 < sum(static_ops[name] for name in routing)
     assert host_ops["aten.index_select"] < static_ops["aten.index_select"]
     assert sum(host_ops.values()) < sum(static_ops.values())
