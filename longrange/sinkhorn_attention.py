@@ -180,7 +180,7 @@ class SinkhornSelfAttention(nn.Module):
             layer_cache.fill_self(q, k, v, records, self.groups, self.slices)
         if attn_weights is not None:
             attn_weights.update(self._gather_weights(looks, q.shape[2]))
-        return torch.cat(outs, dim=1)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _gather_weights(self, looks: list[dict], length: int) -> dict:
         """The head groups' maps and routing (see `forward`) over all heads; routing padded to a common shape."""

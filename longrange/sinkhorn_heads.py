@@ -273,8 +273,9 @@ class _KeyParts:
 class _Bank(NamedTuple):
     """A causal group's routing candidates (see `CausalSinkhornHeads.bucketed`): scores [b, h, n, candidates]
     (float32), which may be chosen (bool, broadcastable to it), how many are chosen, and the bank they are picked
-    from: keys, values [b, h, candidates, slots, d], key mask [b, candidates, slots]. Self-attention also keeps
-    the own buckets [b, h, n, B, d] and the key-bucket sums and counts (for the cache); cross-attention has none."""
+    from: keys, values [b, h, candidates, slots, d], key mask [b, candidates, slots] (self-attention: the null
+    buckets, then every key bucket, the own ones included). Self-attention also keeps the key-bucket sums and counts
+    (for the cache); cross-attention has none."""
 
     scores: torch.Tensor
     valid: torch.Tensor
@@ -282,8 +283,6 @@ class _Bank(NamedTuple):
     keys: torch.Tensor
     values: torch.Tensor
     mask: torch.Tensor
-    own_keys: torch.Tensor | None = None
-    own_values: torch.Tensor | None = None
     k_sums: torch.Tensor | None = None
     k_counts: torch.Tensor | None = None
 
@@ -464,9 +463,10 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         null_keys, null_values = null
         if self.zero_null_score:
             null_scores = sq.new_zeros(b, h, n, n_null)
-        else:
-            null_scores = routing_matmul(sq, null_keys.transpose(-1, -2))  # [b, h, n, n_null]
-        scores = torch.cat([null_scores, routing_matmul(sq, sk.transpose(-1, -2))], dim=-1) * d**-0.5
+            scores = torch.cat([null_scores, routing_matmul(sq, sk.transpose(-1, -2))], dim=-1) * d**-0.5
+        else:  # the null keys and the key summaries scored in one product
+            summaries = torch.cat([null_keys.expand(b, -1, -1, -1).to(sk.dtype), sk], dim=2)  # [b, h, n_null + n, d]
+            scores = routing_matmul(sq, summaries.transpose(-1, -2)) * d**-0.5
         earlier = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)  # key bucket j < query bucket u
         real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
         valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=k.device), real_valid], dim=-1)
@@ -474,8 +474,7 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
             valid = valid & (torch.arange(n, device=k.device) > 0)[None, None, :, None]
         null_k = null_keys[:, :, :, None].expand(-1, -1, -1, size, -1).to(k.dtype).expand(b, -1, -1, -1, -1)
         null_v = null_values[:, :, :, None].expand(-1, -1, -1, size, -1).to(v.dtype).expand(b, -1, -1, -1, -1)
-        null_m = torch.zeros(b, n_null, size, dtype=torch.bool, device=k.device)
-        null_m[:, :, 0 if not self.null_copies else slice(None)] = True
+        null_m = (torch.arange(size, device=k.device) < (size if self.null_copies else 1)).expand(b, n_null, size)
         return _Bank(
             scores=scores,
             valid=valid,
@@ -483,29 +482,34 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
             keys=torch.cat([null_k, bk], dim=2),  # [b, h, n_null + n, B, d]
             values=torch.cat([null_v, bv], dim=2),
             mask=torch.cat([null_m, mask.view(b, n, size)], dim=1),  # [b, n_null + n, B]
-            own_keys=bk,
-            own_values=bv,
             k_sums=k_sums,
             k_counts=k_counts,
         )
 
     def _gather_chosen(self, bank: _Bank, idx, picked_valid, scale):
         """The chosen buckets' keys, values [b, h, n, n_sel * B, d] (values, and keys with weight_routed_keys,
-        times the routing weight or its straight-through scale), key mask [b, h, n, n_sel * B] and, with
+        times the routing weight or its straight-through scale; self-attention: the own bucket after them, picked in
+        the same copy: [b, h, n, (n_sel + 1) * B, d]), the chosen buckets' key mask [b, h, n, n_sel * B] and, with
         routing_gradient="attention", the straight-through log-scale for the attention logits (else None)."""
         b, h, n, _ = idx.shape
         d = bank.keys.shape[-1]
         bi, hi = batch_head_index(b, h, 4, idx.device)
-        routed_k = bank.keys[bi, hi, idx]  # [b, h, n, n_sel, B, d]
-        routed_v = bank.values[bi, hi, idx]
+        picks = idx
+        if not self.cross:  # the own bucket u is bank bucket n_null + u
+            own = (bank.n_sel + torch.arange(n, device=idx.device))[:, None].expand(b, h, n, 1)
+            picks = torch.cat([idx, own], dim=-1)
+        routed_k = bank.keys[bi, hi, picks]  # [b, h, n, n_sel (+ 1), B, d]
+        routed_v = bank.values[bi, hi, picks]
         log_scale = None
         if scale is not None and self.attention_gradient:  # zeros added to the logits, d/d log weight backward
             log_scale = scale.log()[..., None].expand(*idx.shape, routed_k.shape[4]).reshape(b, h, n, -1)
         elif scale is not None:
+            if picks is not idx:  # the own bucket's values are not weighted
+                scale = torch.cat([scale, scale.new_ones(b, h, n, 1)], dim=-1)
             routed_v = routed_v * scale[..., None, None].to(routed_v.dtype)
             if self.weight_routed_keys:
                 routed_k = routed_k * scale[..., None, None].to(routed_k.dtype)
-        routed_k = routed_k.reshape(b, h, n, -1, d)  # [b, h, n, n_sel * B, d]
+        routed_k = routed_k.reshape(b, h, n, -1, d)
         routed_v = routed_v.reshape(b, h, n, -1, d)
         routed_m = (bank.mask[bi, idx] & picked_valid[..., None]).reshape(b, h, n, -1)  # [b, h, n, n_sel * B]
         return routed_k, routed_v, routed_m, log_scale
@@ -537,10 +541,8 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
 
     def _attend(self, bq, routed, bank: _Bank, mask, placed, attn_weights, key_length: int):
         """Self-attention over the chosen buckets and the own bucket up to each query -> [b, h, n, B, d]."""
-        routed_k, routed_v, routed_m, log_scale = routed
+        keys, values, routed_m, log_scale = routed  # keys, values [b, h, n, (n_sel + 1) B, d]: the own bucket last
         b, h, n, size, _ = bq.shape
-        keys = torch.cat([routed_k, bank.own_keys], dim=3)  # [b, h, n, (n_sel + 1) B, d]
-        values = torch.cat([routed_v, bank.own_values], dim=3)
         causal = torch.ones(size, size, dtype=torch.bool, device=bq.device).tril()
         own_m = mask.view(b, 1, n, 1, size) & causal  # [b, 1, n, B, B]
         # every row sees at least one key (each pick is a valid null or non-empty bucket), so the mask is
