@@ -17,7 +17,9 @@ whose builders and training steps are reused here, so both sides get the same co
   feed-forward of width 8/3 x hidden (rounded to 64: the parameters and FLOPs of the others' 4 x hidden MLP), at
   every (batch, length) above.
 Each in `tf32` (fp32 weights, TF32 matrix products; `fp32` on the CPU) and `bf16` (fp32 weights, forward under
-`torch.autocast(bfloat16)`, backward outside it), `eager` and `compiled` (`model.compile()`, inductor by default).
+`torch.autocast(bfloat16)`, backward outside it), `eager` and `compiled` (`model.compile()`, inductor by default);
+Sinkhorn and Llama in bf16 at 8 x 2,048 also `graphs` (`model.compile(mode="reduce-overhead")`: CUDA graphs replay
+each compiled step, no kernel launched from the host; on the CPU the same as compiled).
 
 Method: all rows run in this process, one after the other (eager rows first, then compiled rows in priority
 order), each with a fresh model, AdamW and `torch._dynamo.reset()`. Per row: `--warmup` steps (the first of a
@@ -94,13 +96,16 @@ class Row:
     family: str  # compressive | sinkhorn | llama
     side: str  # ours | reference | llama | by_segment (Compressive: ours trained one segment at a time)
     precision: str  # tf32 | bf16
-    mode: str  # eager | compiled
+    mode: str  # eager | compiled | graphs (compiled with CUDA graphs: mode="reduce-overhead")
     batch: int
     length: int
 
     @property
     def id(self) -> str:
         return f"{self.family}/{self.side}/{self.precision}/{self.mode}/{self.batch}x{self.length}"
+
+
+MODES = ("eager", "compiled", "graphs")
 
 
 def plan(size: dict) -> list[Row]:
@@ -123,7 +128,13 @@ def plan(size: dict) -> list[Row]:
     def priority(row: Row) -> tuple:
         return (row.side in ("reference", "by_segment"), (row.batch, row.length) != first, row.precision != "bf16")
 
-    return by_mode["eager"] + sorted(by_mode["compiled"], key=priority)
+    # CUDA graphs (the compiled step replayed without launching each kernel from the host) for Sinkhorn and Llama
+    # in bf16 at the first shape, right after those rows compiled: whether the compiled steps wait on the host
+    graphs = [
+        Row(family, side, "bf16", "graphs", *first) for family, side in (("sinkhorn", "ours"), ("llama", "llama"))
+    ]
+    compiled = sorted(by_mode["compiled"] + graphs, key=lambda row: (*priority(row), row.mode == "graphs"))
+    return by_mode["eager"] + compiled
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,6 +228,8 @@ def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
+        if row.mode == "graphs":  # a new iteration: the graphs may overwrite the last one's outputs (done with)
+            torch.compiler.cudagraph_mark_step_begin()
         with forward_context():
             loss = loss_of()
         loss.backward()
@@ -419,14 +432,14 @@ def ratios(results: dict[str, dict]) -> dict[str, dict]:
         entry = {}
         for other, other_side in (("reference", row.family + "/reference"), ("llama", "llama/llama")):
             per_mode = {}
-            for mode in ("eager", "compiled"):
+            for mode in MODES:
                 a, b = (
                     rate(f"{row.family}/{row.side}/{row.precision}/{mode}/{shape}"),
                     rate(f"{other_side}/{row.precision}/{mode}/{shape}"),
                 )
                 per_mode[mode] = a / b if a and b else None
-            ours_best = [rate(f"{row.family}/{row.side}/{row.precision}/{m}/{shape}") for m in ("eager", "compiled")]
-            other_best = [rate(f"{other_side}/{row.precision}/{m}/{shape}") for m in ("eager", "compiled")]
+            ours_best = [rate(f"{row.family}/{row.side}/{row.precision}/{m}/{shape}") for m in MODES]
+            other_best = [rate(f"{other_side}/{row.precision}/{m}/{shape}") for m in MODES]
             ours_best, other_best = [v for v in ours_best if v], [v for v in other_best if v]
             per_mode["best"] = max(ours_best) / max(other_best) if ours_best and other_best else None
             entry[f"speed_vs_{other}"] = per_mode
@@ -576,7 +589,9 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # tf32 rows; bf16 rows' fp32 products too
         torch.backends.cudnn.allow_tf32 = True
-    compile_kwargs = {"backend": args.compile_backend, "fullgraph": args.fullgraph}
+    compiled = {"backend": args.compile_backend, "fullgraph": args.fullgraph}
+    graphs = {**compiled, "mode": "reduce-overhead"} if args.compile_backend == "inductor" else compiled  # (CUDA)
+    compile_kwargs = {"compiled": compiled, "graphs": graphs}
 
     size = sizes(args.quick)
     rows = [r for r in plan(size) if args.compiled or r.mode == "eager"]
@@ -625,7 +640,7 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             try:
                 with time_limit(limit):
-                    entry.update(measure(row, size, device, args, compile_kwargs if row.mode == "compiled" else None))
+                    entry.update(measure(row, size, device, args, compile_kwargs.get(row.mode)))
             except Exception as exc:  # noqa: BLE001 - a row's failure is a result, recorded in the row
                 entry["error"] = describe_error(exc)
             entry["row_s"] = time.perf_counter() - t0

@@ -18,6 +18,10 @@
 #    the distance curriculum beside transformers' Llama; RECALL_STEPS=1000 each, RECALL_BUDGET=420 s in all):
 #        run(command="bash benchmarks/device_run.sh recall", carry=[".whl"], timeout_s=480)
 #    -> $OUT/recall.json, recall.png, recall.log (merge into docs/benchmarks/recall.json by copying its runs).
+# 4. Whether compiled training steps wait on the host (their `busy_s` against the step time says it): the CUDA-graph
+#    rows beside the compiled ones, about 60 s a row (merge the rows into docs/benchmarks/gpu.json by hand):
+#        BENCH_BUDGET=240 BENCH_ROWS='^(sinkhorn/ours|llama/llama)/bf16/(compiled|graphs)/8x2048' \
+#            bash benchmarks/device_run.sh bench
 # Results go to $OUT (bench.json with the decoding rows merged in, decode.json, bench.log, decode.log, train.log;
 # they come back: copy bench.json to docs/benchmarks/gpu.json here).
 set -uo pipefail

@@ -504,8 +504,7 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         if scale is not None and self.attention_gradient:  # zeros added to the logits, d/d log weight backward
             log_scale = scale.log()[..., None].expand(*idx.shape, routed_k.shape[4]).reshape(b, h, n, -1)
         elif scale is not None:
-            if picks is not idx:  # the own bucket's values are not weighted
-                scale = torch.cat([scale, scale.new_ones(b, h, n, 1)], dim=-1)
+            scale = scale if picks is idx else F.pad(scale, (0, 1), value=1.0)  # (the own bucket: weight 1)
             routed_v = routed_v * scale[..., None, None].to(routed_v.dtype)
             if self.weight_routed_keys:
                 routed_k = routed_k * scale[..., None, None].to(routed_k.dtype)
@@ -587,14 +586,8 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
 
     def _select(self, scores, valid, n_sel):
         """`select_buckets` with this group's routing options (a causal group never runs Sinkhorn balancing)."""
-        return select_buckets(
-            scores,
-            valid,
-            n_sel,
-            self.temperature,
-            weighted=self.weight_routed_values,
-            sequential=self.sequential_weights,
-        )
+        options = dict(weighted=self.weight_routed_values, sequential=self.sequential_weights)
+        return select_buckets(scores, valid, n_sel, self.temperature, **options)
 
 
 class CausalContextHeads(CausalSinkhornHeads):
@@ -714,4 +707,6 @@ def causal_pair(
         for half, group, target in ((slice(0, b), plain, records[0]), (slice(b, 2 * b), shifted, records[1])):
             target.update({key: val if val is None else val[half] for key, val in record.items()})
             target["offset"] = group.offset
-    return torch.cat([out[:b, :, :length], out[b:, :, off : off + length]], dim=1)
+    # [b, 2h, L, d] laid out as [b, L, 2h, d]: the projection back reads it without a copy
+    halves = (out[:b, :, :length], out[b:, :, off : off + length])
+    return torch.cat([half.transpose(1, 2) for half in halves], dim=2).transpose(1, 2)

@@ -161,8 +161,8 @@ def prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask (True = may attend) -> additive float mask (0 or the dtype's most negative value)."""
-    zero, blocked = (torch.tensor(value, dtype=dtype) for value in (0.0, torch.finfo(dtype).min))  # host scalars
-    return torch.where(mask, zero, blocked)
+    zero = mask.new_zeros((), dtype=dtype)  # (a 0-dim tensor sets the result's dtype; on the mask's device)
+    return torch.where(mask, zero, torch.finfo(dtype).min)
 
 
 def attend_buckets(q, k, v, mask, dropout: float, implementation: str, bias=None, return_weights=False):

@@ -79,8 +79,8 @@ def test_ratios_pair_rows_of_the_same_precision_mode_and_shape():
     )
     compared = bench.ratios(results)
     eager = compared["sinkhorn/ours/tf32/eager/8x2048"]
-    assert eager["speed_vs_reference"] == {"eager": 1.5, "compiled": None, "best": 3.0}  # 600 / 200
-    assert eager["speed_vs_llama"] == {"eager": 0.75, "compiled": 0.5, "best": 0.5}  # 600 / 1200
+    assert eager["speed_vs_reference"] == {"eager": 1.5, "compiled": None, "graphs": None, "best": 3.0}  # 600 / 200
+    assert eager["speed_vs_llama"] == {"eager": 0.75, "compiled": 0.5, "graphs": None, "best": 0.5}  # 600 / 1200
     assert eager["memory_vs_reference"] == 0.5
     assert compared["sinkhorn/ours/bf16/eager/8x2048"]["speed_vs_llama"]["best"] is None  # no bf16 Llama row
 
@@ -101,6 +101,31 @@ def test_ratios_pair_rows_of_the_same_precision_mode_and_shape():
     assert met["compressive tf32 8x2048 memory_vs_reference <= 1.0"] is False
     assert met["compressive by segment tf32 8x2048 memory_vs_reference <= 1.0"] is True
     assert met["compressive by segment tf32 8x2048 speed_vs_reference >= 1.3"] is False
+
+
+def test_plan_puts_the_cuda_graph_rows_right_after_their_compiled_rows_and_ratios_count_them():
+    bench = _load()
+    ids = [row.id for row in bench.plan(bench.sizes(False))]
+    graphs = [i for i in ids if "/graphs/" in i]
+    assert graphs == ["sinkhorn/ours/bf16/graphs/8x2048", "llama/llama/bf16/graphs/8x2048"]
+    compiled = [i for i in ids if "/bf16/compiled/8x2048" in i and "reference" not in i and "by_segment" not in i]
+    assert ids.index(graphs[0]) == ids.index(compiled[-1]) + 1  # after every first-shape bf16 compiled row of ours
+    row = bench.Row("sinkhorn", "ours", "bf16", "eager", 8, 2048)
+    results = {
+        r.id: {"row": r.__dict__, "tokens_per_s": rate}
+        for r, rate in (
+            (row, 100.0),
+            (bench.Row("llama", "llama", "bf16", "eager", 8, 2048), 200.0),
+            (bench.Row("sinkhorn", "ours", "bf16", "graphs", 8, 2048), 400.0),
+            (bench.Row("llama", "llama", "bf16", "graphs", 8, 2048), 500.0),
+        )
+    }
+    assert bench.ratios(results)[row.id]["speed_vs_llama"] == {
+        "eager": 0.5,
+        "compiled": None,
+        "graphs": 0.8,
+        "best": 0.8,
+    }
 
 
 @pytest.mark.slow  # the whole --quick run: 1-2 minutes on a loaded 2-core machine
