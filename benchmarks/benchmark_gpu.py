@@ -28,7 +28,9 @@ compiled row includes compilation: reported as `compile_s` = warm-up time - warm
 Peak memory on CUDA: `torch.cuda.max_memory_allocated()` over the timed steps (weights, optimizer state,
 gradients and activations); on the CPU: the resident-set increase of one extra step (`benchmark_sinkhorn.PeakMeter`).
 One more step runs under `torch.profiler`: kernels launched per step on CUDA (device-side events other than
-memcpy / memset), ATen operators dispatched on the CPU, and `_local_scalar_dense` calls (scalar reads to the host) outside the optimizer's step.
+memcpy / memset), ATen operators dispatched on the CPU, and `_local_scalar_dense` calls (scalar reads to the host)
+outside the optimizer's step; on CUDA one more under torch's sync debug mode (`sync_sites`: every call that waits
+for the device - scalar reads, tensors made from host data on the device).
 A row that fails (the reference's bf16 crash, a compile error, out of memory, its time limit) records
 `"error": "..."` and the run goes on. The whole run stops starting rows once `--budget` seconds are spent (the rest
 are recorded as skipped), and `--out` is rewritten after every row, so an interrupted run keeps what it measured.
@@ -287,8 +289,7 @@ def profile_step(step, device: torch.device) -> dict:
         out["kernels_per_step"] = sum(
             e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset")) for e in events
         )
-        if out["scalar_reads_per_step"]:
-            out["sync_sites"] = sync_sites(step)
+        out["sync_sites"] = sync_sites(step)  # scalar reads, and host-to-device copies that wait for the device
     out["busy_s"], out["top_work"] = top_work(events, device)
     return out
 

@@ -459,7 +459,7 @@ class CompressiveMemoryCache(Cache):
             for name in cls._ROWS:
                 setattr(cache, name, _place(static["rows"][name], device))
             _restore_fields(cache.layers, static["layers"], cls._SAVED_STATIC, device)
-            cache.seen_counter = torch.tensor(cache.seen_tokens, device=cache.rows_seen.device)
+            cache.seen_counter = torch.full((), cache.seen_tokens, dtype=torch.long, device=cache.rows_seen.device)
             mark_static_addresses(cache)
         return cache
 

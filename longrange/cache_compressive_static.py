@@ -140,7 +140,7 @@ def to_static(cache, layout: StaticLayout) -> None:
         return torch.full((batch,), value, dtype=torch.long, device=device)
 
     first = layout.rate * c_len
-    cache.seen_counter = torch.tensor(cache.seen_tokens, device=device)
+    cache.seen_counter = torch.full((), cache.seen_tokens, dtype=torch.long, device=device)  # (no host copy)
     cache.rows_seen, cache.rows_start = counter(first + held), counter(first)
     cache.rows_pending, cache.rows_compressed = counter(p_len), counter(c_len)
     cache._host_rows = [[first + held, first, p_len, c_len] for _ in range(batch)]

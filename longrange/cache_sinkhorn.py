@@ -546,7 +546,7 @@ class SinkhornCache(Cache):
         self.token_mask = _static(torch.zeros(b, self.capacity, dtype=torch.bool, device=mask.device))
         self.token_mask[:, :n] = mask
         self.lengths = _static(mask.sum(1))
-        self.seen = _static(torch.tensor(n, device=mask.device))
+        self.seen = _static(torch.full((), n, dtype=torch.long, device=mask.device))  # (no host copy)
         self._seen_host = n
         self.prefill_length = n
         self.on_host = mask.device.type == "cpu" and not self.static_steps

@@ -79,9 +79,11 @@ def attend(
     if bias is not None:
         additive = bias.to(query.dtype)
     if mask is not None:
-        neg = torch.tensor(torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
-        # one pass over the [.., q_len, k_len] scores: masked entries become the most negative float
-        additive = torch.where(mask, additive if additive is not None else query.new_zeros(()), neg)
+        # one pass over the [.., q_len, k_len] scores: masked entries become the most negative float (a Python
+        # number: a tensor made of it on an accelerator would be a host-to-device copy, which waits for the device)
+        additive = torch.where(
+            mask, additive if additive is not None else query.new_zeros(()), torch.finfo(query.dtype).min
+        )
     probs = None
     if implementation == "sdpa" and not return_weights:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, dropout_p=dropout, scale=scale)
