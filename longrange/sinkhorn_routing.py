@@ -12,6 +12,7 @@ import torch
 from .layers import attend, is_exporting
 
 NEG = -1e30  # routing score of a candidate that may not be chosen (float32 routing math)
+CAN_TELL_EXPORT = hasattr(torch.compiler, "is_exporting")  # torch >= 2.7
 
 
 def routing_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -42,9 +43,15 @@ def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[..., c] scores -> [..., k] indices of the k largest, best first, ties to the lowest index: the first k of a
     stable descending sort (one kernel). torch.onnx exports no stable sort: while exporting, `_top_rounds`."""
-    if is_exporting():
+    if _exporting():
         return _top_rounds(scores, k)
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _exporting() -> bool:
+    """Whether torch.export or the ONNX exporter is tracing; always on torch < 2.7, which cannot tell
+    (`layers.is_exporting`)."""
+    return not CAN_TELL_EXPORT or is_exporting() or torch.onnx.is_in_onnx_export()
 
 
 def _top_rounds(scores: torch.Tensor, k: int) -> torch.Tensor:

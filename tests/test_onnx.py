@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM
+from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM, sinkhorn_routing
 from longrange.layers import real_tokens_first
 from longrange.sinkhorn_routing import _top_rounds, top_indices
+from tests.dispatch_utils import count_dispatched_ops
 
 VOCAB = 40
 
@@ -35,6 +36,19 @@ def test_top_indices_are_a_stable_descending_sorts_first_k_also_in_exportable_ro
     distinct = torch.randn(2, 3, 17, generator=generator)
     assert torch.equal(_top_rounds(distinct, 4), distinct.topk(4, dim=-1).indices)
     assert torch.equal(top_indices(distinct, 4), distinct.topk(4, dim=-1).indices)
+
+
+def test_top_indices_sorts_unless_an_export_may_be_tracing(monkeypatch):
+    scores = torch.randn(2, 3, 9, generator=torch.Generator().manual_seed(2))
+    counts = count_dispatched_ops(lambda: top_indices(scores, 2))
+    assert counts["aten.sort"] == 1 and counts["aten.argmax"] == 0
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # torch.export tracing
+    counts = count_dispatched_ops(lambda: top_indices(scores, 2))
+    assert counts["aten.sort"] == 0 and counts["aten.argmax"] == 2
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: False)
+    monkeypatch.setattr(sinkhorn_routing, "CAN_TELL_EXPORT", False)  # torch < 2.7: always the exportable form
+    counts = count_dispatched_ops(lambda: top_indices(scores, 2))
+    assert counts["aten.sort"] == 0 and counts["aten.argmax"] == 2
 
 
 def test_real_tokens_first_is_a_stable_sort_of_the_padding_flags():
