@@ -50,8 +50,10 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def _exporting() -> bool:
     """Whether torch.export or the ONNX exporter is tracing; always on torch < 2.7, which cannot tell
-    (`layers.is_exporting`)."""
-    return not CAN_TELL_EXPORT or is_exporting() or torch.onnx.is_in_onnx_export()
+    (`layers.is_exporting`). The legacy ONNX exporter never runs under torch.compile, whose graphs need not ask."""
+    if not CAN_TELL_EXPORT or is_exporting():
+        return True
+    return not torch.compiler.is_compiling() and torch.onnx.is_in_onnx_export()
 
 
 def _top_rounds(scores: torch.Tensor, k: int) -> torch.Tensor:
