@@ -220,6 +220,10 @@ def main(argv=None) -> dict[str, float]:
         # divide the summed loss by every label (n per row) although only n-1 of them are predicted.
         print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
         print(f"saved to {Path(args.output_dir).resolve()}")
+    # Trainer leaves the process group of a multi-process launch open; a gloo group still open when the interpreter
+    # shuts down can abort the process (SIGABRT, "terminate called without an active exception": pytorch#190489)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return metrics
 
 
