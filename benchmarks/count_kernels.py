@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import re
 import subprocess
@@ -34,9 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = {"sinkhorn": "ours", "compressive": "ours", "llama": "llama"}
 
 
-def _stand_in_driver():
+def _stand_in_driver(kernels: dict[str, str]):
     """Triton's active driver replaced by one that reports a GPU target (code generation asks for it) and
-    inductor's kernel compilation by a recorder: the generated code loads, its first launch fails."""
+    inductor's kernel compilation by a recorder of each kernel's source (into `kernels`): the generated code
+    loads, its first launch fails."""
     import torch
     import triton
     from torch._inductor.async_compile import AsyncCompile
@@ -65,7 +67,109 @@ def _stand_in_driver():
             return torch.cpu
 
     triton.runtime.driver.set_active(Driver())
-    AsyncCompile.triton = lambda self, name, source, device_str="cuda", **kwargs: None
+    AsyncCompile.triton = lambda self, name, source, device_str="cuda", **kwargs: kernels.__setitem__(name, source)
+
+
+# One H200's peaks (NVIDIA's data sheet): HBM3e bandwidth and dense tensor-core throughput
+H200 = {"bytes_per_s": 4.8e12, "flop_per_s": {"bf16": 989e12, "tf32": 494e12}}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1}
+
+
+def _top_level_args(call: str) -> list[str]:
+    """The comma-separated arguments of `f(a, g(b, c), (1, 2), k=v)` at the outer level."""
+    args, depth, start = [], 0, call.index("(") + 1
+    for i in range(start, len(call)):
+        ch = call[i]
+        if ch in "([":
+            depth += 1
+        elif ch in ")]" and depth:
+            depth -= 1
+        elif ch in ",)" and depth == 0:
+            args.append(call[start:i].strip())
+            start = i + 1
+            if ch == ")":
+                break
+    return [a for a in args if a]
+
+
+def _buffers(code: str) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (shape, bytes per element) of the buffers and inputs of one generated graph."""
+    buffers = {}
+    for name, dims, dtype in re.findall(r"\b(\w+) = empty_strided_\w+\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code):
+        buffers[name] = (tuple(int(d) for d in dims.split(",") if d.strip()), ITEMSIZE.get(dtype, 4))
+    for name, dims in re.findall(r"assert_size_stride\((\w+), \(([^)]*)\)", code):
+        buffers.setdefault(name, (tuple(int(d) for d in dims.split(",") if d.strip()), 2))
+    for name, dims in re.findall(r"\b(\w+) = reinterpret_tensor\(\w+, \(([^)]*)\)", code):
+        buffers[name] = (tuple(int(d) for d in dims.split(",") if d.strip()), 2)
+    for name, old in re.findall(r"\b(\w+) = (\w+); del \2  # reuse", code):
+        buffers.setdefault(name, buffers.get(old, ((), 2)))
+    return buffers
+
+
+def _shape(arg: str, buffers) -> tuple[tuple[int, ...], int]:
+    """The shape (and element size) of a call argument: a buffer's name or `reinterpret_tensor(name, shape, ...)`."""
+    if arg.startswith("reinterpret_tensor("):
+        name, dims = _top_level_args(arg)[:2]
+        return tuple(int(d) for d in dims.strip("()").split(",") if d.strip()), buffers.get(name, ((), 2))[1]
+    return buffers.get(arg, ((), 2))
+
+
+def _library_call_work(op: str, args: list[str], buffers) -> tuple[float, float]:
+    """(flop, bytes) of one matrix product or attention call. Attention counts every query-key pair it scores
+    (halved when causal): forward 4 B H Lq Lk d, backward 10 B H Lq Lk d (scores recomputed, then four products);
+    its bytes are q, k, v and the output (backward: and their gradients) and a mask read once each."""
+    positional = [a for a in args if not re.match(r"\w+=", a)]
+    shapes = [_shape(a, buffers) for a in positional]
+    if op in ("mm", "addmm", "bmm", "baddbmm"):
+        (a, size), (b, _) = shapes[-2:]
+        batch = a[0] if len(a) == 3 else 1
+        m, k, n = a[-2], a[-1], b[-1]
+        return 2.0 * batch * m * k * n, float(size * batch * (m * k + k * n + m * n))
+    backward = op.endswith("_backward")
+    (q, size), (k, _) = shapes[1:3] if backward else shapes[:2]
+    if len(q) != 4 or len(k) != 4:
+        return 0.0, 0.0
+    flag = positional[7 if backward else 4] if len(positional) > (7 if backward else 4) else "False"
+    pairs = q[0] * q[1] * q[2] * k[2] * (0.5 if flag == "True" else 1.0)
+    mask = [_shape(a.split("=", 1)[1], buffers) for a in args if a.startswith("attn_mask=") and a != "attn_mask=None"]
+    tensors = (4 if backward else 2) * (math.prod(q) + math.prod(k)) * size
+    tensors += sum(math.prod(shape) * item for shape, item in mask if shape)
+    return (10.0 if backward else 4.0) * pairs * q[3], float(tensors)
+
+
+def work(sources: list[str], kernels: dict[str, str], precision: str) -> dict:
+    """Bytes moved and products computed by the step's launches, and the time they take at least on one H200:
+    each launch at the device's peak bandwidth or peak tensor throughput, whichever binds (a roofline: real
+    kernels reach a fraction of both, and launch gaps come on top). Triton kernels' bytes are inductor's own
+    estimate (inputs and outputs once each); library calls' from their shapes."""
+    gb = {
+        name: float(m.group(1))
+        for name, src in kernels.items()
+        if (m := re.search(r"'kernel_num_gb': ([\d.e+-]+)", src))
+    }
+    bandwidth, peak = H200["bytes_per_s"], H200["flop_per_s"][precision]
+    triton_bytes, library_bytes, flop, roofline, by_kernel = 0.0, 0.0, 0.0, 0.0, collections.Counter()
+    for code in sources:
+        buffers = _buffers(code)
+        for name in re.findall(r"\b(triton_\w+)\.run\(", code):
+            triton_bytes += gb.get(name, 0.0) * 1e9
+            roofline += gb.get(name, 0.0) * 1e9 / bandwidth
+            by_kernel[re.sub(r"_\d+$", "", name)] += gb.get(name, 0.0) * 1e9
+        for call in re.findall(r"(?:extern_kernels\.\w+|torch\.ops\.aten\.\w+\.\w+)\(.*", code):
+            op = re.match(r"(?:extern_kernels\.(\w+)|torch\.ops\.aten\.(\w+)\.\w+)", call)
+            op = op.group(1) or op.group(2)
+            if op not in ("mm", "addmm", "bmm", "baddbmm") and "scaled_dot_product" not in op:
+                continue
+            f, b = _library_call_work(op, _top_level_args(call), buffers)
+            flop, library_bytes = flop + f, library_bytes + b
+            roofline += max(f / peak, b / bandwidth)
+    return {
+        "triton_bytes": round(triton_bytes),
+        "library_bytes": round(library_bytes),
+        "flop": round(flop),
+        "h200_roofline_ms": round(roofline * 1e3, 4),
+        "top_triton_gb": {k: round(v / 1e9, 4) for k, v in by_kernel.most_common(8)},
+    }
 
 
 def count_one(model: str, precision: str, batch: int, length: int, quick: bool = False) -> dict:
@@ -85,8 +189,10 @@ def count_one(model: str, precision: str, batch: int, length: int, quick: bool =
     inductor_config.cpu_backend = "triton"  # the GPU's code generator for the CPU device
     inductor_config.compile_threads = 1
     inductor_config.fx_graph_cache = False
+    inductor_config.benchmark_kernel = True  # each kernel's source states the bytes it moves (`kernel_num_gb`)
     functorch_config.force_non_lazy_backward_lowering = True  # the backward graph is generated with the forward
-    _stand_in_driver()
+    kernels: dict[str, str] = {}
+    _stand_in_driver(kernels)
     sources: list[str] = []
     codegen = inductor_graph.GraphLowering.codegen
 
@@ -105,6 +211,8 @@ def count_one(model: str, precision: str, batch: int, length: int, quick: bool =
         pass
     if len(sources) < 2:
         raise RuntimeError(f"{model}: expected a forward and a backward graph, got {len(sources)}")
+    # the wrapper code only: each kernel's own source (with benchmark_kernel, a harness that launches it) cut out
+    sources = [re.sub(r"'''.*?'''", "''", code, flags=re.S) for code in sources]
     text = "\n".join(sources)
     triton = collections.Counter(m.split("_")[1] for m in re.findall(r"\b(triton_[a-z]+_\w+?)\.run\(", text))
     extern = collections.Counter(re.findall(r"extern_kernels\.(\w+)\(", text))
@@ -118,6 +226,7 @@ def count_one(model: str, precision: str, batch: int, length: int, quick: bool =
         "triton": dict(triton),  # poi(ntwise), red(uction), per(sistent reduction)
         "extern": dict(extern),
         "aten_fallbacks": dict(fallback),
+        **work(sources, kernels, precision),
     }
 
 
@@ -125,7 +234,7 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["sinkhorn", "llama"], choices=sorted(MODELS))
     parser.add_argument("--precision", default="bf16", choices=["bf16", "tf32"])
-    parser.add_argument("--batch", type=int, default=1, help="(the count does not depend on it)")
+    parser.add_argument("--batch", type=int, default=1, help="(launches do not depend on it; bytes and products do)")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--json", type=Path, default=None, help="write the counts here")
     parser.add_argument("--quick", action="store_true", help="benchmark_gpu.py's --quick width (a smoke run)")
@@ -148,6 +257,9 @@ def main(argv=None) -> list[dict]:
         r = rows[-1]
         print(f"{model:12s} {r['launches']:5d} launches per step: Triton {r['triton']}, products {r['extern']}, "
               f"fallbacks {r['aten_fallbacks']}", flush=True)  # fmt: skip
+        print(f"{'':12s} moves {r['triton_bytes'] / 1e9:.2f} GB in Triton kernels, {r['library_bytes'] / 1e9:.2f} GB in "
+              f"products and attention ({r['flop'] / 1e12:.2f} TFLOP): at least {r['h200_roofline_ms']:.2f} ms on one "
+              "H200", flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return rows

@@ -7,9 +7,22 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "count_kernels.py"
+
+
+def build_llama(module):
+    """The Llama of the counted step (benchmark_gpu.py's --quick width), built here to count its products."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import benchmark_gpu
+
+    row = benchmark_gpu.Row("llama", "llama", "bf16", "eager", 1, 64)
+    model, _ = benchmark_gpu.build_step(row, benchmark_gpu.sizes(True), torch.device("cpu"), {})
+    return model
 
 
 @pytest.mark.slow
@@ -26,3 +39,17 @@ def test_counts_forward_and_backward_launches_of_both_models(tmp_path):
         assert row["extern"].get("mm", 0) > 0 and sum(row["triton"].values()) > 0
     # a causal Sinkhorn layer routes, gathers and masks buckets around its products: more launches than Llama's
     assert by_model["sinkhorn"]["launches"] > by_model["llama"]["launches"]
+    # Llama's products counted here from the model itself: every linear layer 2 flop per weight per token forward and
+    # 4 backward (input and weight gradients), causal attention over half the L x L pairs, 4 B H L L d forward and
+    # 10 backward
+    llama = by_model["llama"]
+    model = build_llama(module)
+    tokens, length = 64, 64
+    heads, head_dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    linear = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = model.config.num_hidden_layers * 14 * heads * length * length * head_dim / 2
+    assert llama["flop"] == pytest.approx(6 * tokens * linear + attention, rel=1e-6)
+    for row in rows:
+        assert row["triton_bytes"] > 0 and row["library_bytes"] > 0
+        floor = (row["triton_bytes"] + row["library_bytes"]) / module.H200["bytes_per_s"]  # every byte at peak
+        assert row["h200_roofline_ms"] == pytest.approx(max(floor, row["flop"] / 989e12) * 1e3, rel=0.5)
