@@ -37,8 +37,9 @@ MODELS = {"sinkhorn": "ours", "compressive": "ours", "llama": "llama"}
 
 def _stand_in_driver(kernels: dict[str, str]):
     """Triton's active driver replaced by one that reports a GPU target (code generation asks for it) and
-    inductor's kernel compilation by a recorder of each kernel's source (into `kernels`): the generated code
-    loads, its first launch fails."""
+    inductor's kernel compilation by a recorder of each kernel's source (into `kernels`): the generated code runs,
+    every Triton launch doing nothing (its outputs are left unwritten; matrix products and attention run on the
+    CPU)."""
     import torch
     import triton
     from torch._inductor.async_compile import AsyncCompile
@@ -67,7 +68,19 @@ def _stand_in_driver(kernels: dict[str, str]):
             return torch.cpu
 
     triton.runtime.driver.set_active(Driver())
-    AsyncCompile.triton = lambda self, name, source, device_str="cuda", **kwargs: kernels.__setitem__(name, source)
+
+    class Kernel:  # what the generated code launches: nothing
+        def run(self, *args, **kwargs):
+            return None
+
+    def record(self, name, source, device_str="cuda", **kwargs):
+        kernels[name] = source
+        return Kernel()
+
+    AsyncCompile.triton = record
+    # buffers the generated code allocates come zeroed, so that indices a skipped kernel should have written are 0
+    guards = torch._C._dynamo.guards
+    guards._empty_strided_cpu = lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype).zero_()
 
 
 # One H200's peaks (NVIDIA's data sheet): HBM3e bandwidth and dense tensor-core throughput
@@ -172,20 +185,16 @@ def work(sources: list[str], kernels: dict[str, str], precision: str) -> dict:
     }
 
 
-def count_one(model: str, precision: str, batch: int, length: int, quick: bool = False) -> dict:
-    """In this process: generate the compiled step's code and count its launches."""
-    import torch
+def _generated_code(run) -> tuple[list[str], dict[str, str]]:
+    """Run `run()` with inductor writing Triton code for the CPU device as for a GPU, every launch a no-op;
+    return the wrapper code of each graph generated (kernel sources cut out) and each kernel's source."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor import graph as inductor_graph
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import benchmark_gpu
-
     from longrange.layers import FeedForward
 
     FeedForward.block_elements = 1 << 62  # one pass as on a GPU (the CPU splits long inputs into row blocks)
-
     inductor_config.cpu_backend = "triton"  # the GPU's code generator for the CPU device
     inductor_config.compile_threads = 1
     inductor_config.fx_graph_cache = False
@@ -198,36 +207,77 @@ def count_one(model: str, precision: str, batch: int, length: int, quick: bool =
 
     def recording_codegen(self, *args, **kwargs):
         result = codegen(self, *args, **kwargs)
-        code = result[0]
-        sources.append(getattr(code, "value", str(code)))
+        sources.append(getattr(result[0], "value", str(result[0])))
         return result
 
     inductor_graph.GraphLowering.codegen = recording_codegen
-    row = benchmark_gpu.Row(model, MODELS[model], precision, "compiled", batch, length)
-    _, step = benchmark_gpu.build_step(row, benchmark_gpu.sizes(quick), torch.device("cpu"), {})
-    try:
-        step()
-    except Exception:  # noqa: BLE001 - the first launch of a generated kernel fails by design
-        pass
-    if len(sources) < 2:
-        raise RuntimeError(f"{model}: expected a forward and a backward graph, got {len(sources)}")
+    run()
     # the wrapper code only: each kernel's own source (with benchmark_kernel, a harness that launches it) cut out
-    sources = [re.sub(r"'''.*?'''", "''", code, flags=re.S) for code in sources]
+    return [re.sub(r"'''.*?'''", "''", code, flags=re.S) for code in sources], kernels
+
+
+def launches(sources: list[str]) -> dict:
+    """The launches written in the wrapper code of these graphs, by kind."""
     text = "\n".join(sources)
     triton = collections.Counter(m.split("_")[1] for m in re.findall(r"\b(triton_[a-z]+_\w+?)\.run\(", text))
     extern = collections.Counter(re.findall(r"extern_kernels\.(\w+)\(", text))
     fallback = collections.Counter(re.findall(r"torch\.ops\.aten\.(\w+)\.\w+\(", text))
     return {
-        "model": model,
-        "precision": precision,
-        "shape": [batch, length],
-        "graphs": len(sources),
         "launches": sum(triton.values()) + sum(extern.values()) + sum(fallback.values()),
+        # inductor writing a mutated input back from a copy (an in-place update it could not do in place)
+        "copies_back": len(re.findall(r"\btriton_poi_fused_copy__\d+\.run\(", text)),
         "triton": dict(triton),  # poi(ntwise), red(uction), per(sistent reduction)
         "extern": dict(extern),
         "aten_fallbacks": dict(fallback),
-        **work(sources, kernels, precision),
     }
+
+
+def count_training(model: str, precision: str, batch: int, length: int, quick: bool = False) -> dict:
+    """In this process: the compiled training step's launches (forward and backward graphs) and work."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import benchmark_gpu
+
+    row = benchmark_gpu.Row(model, MODELS[model], precision, "compiled", batch, length)
+    _, step = benchmark_gpu.build_step(row, benchmark_gpu.sizes(quick), torch.device("cpu"), {})
+    sources, kernels = _generated_code(step)
+    if len(sources) != 2:
+        raise RuntimeError(f"{model}: expected a forward and a backward graph, got {len(sources)}")
+    return {"model": model, "precision": precision, "shape": [batch, length], "graphs": len(sources),
+            **launches(sources), **work(sources, kernels, precision)}  # fmt: skip
+
+
+def count_decoding(model: str, context: int, quick: bool = False) -> dict:
+    """In this process: the launches of each decoding step generate() compiles (benchmark_decoding.py's compiled
+    row: bf16 weights, batch 1, a prompt of `context` tokens), one entry per graph in the order compiled. A
+    Sinkhorn model compiles two steps: one that routes (the first, and where a row's token leads a bucket) and
+    one that keeps its window (the others); since no kernel runs here, the cache's device counters stand still
+    and the later steps all take the second graph."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import benchmark_decoding
+
+    row = benchmark_decoding.Row(model, MODELS[model], "compiled", context)
+    size = benchmark_decoding.sizes(quick)
+    net = benchmark_decoding.build(row, size).to(torch.bfloat16)
+    prompt = torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(1))
+    kwargs = benchmark_decoding.generate_kwargs(row, torch.device("cpu"), "inductor")
+    sources, kernels = _generated_code(lambda: net.generate(prompt, max_new_tokens=4, **kwargs))
+    if not sources:
+        raise RuntimeError(f"{model}: generate() compiled nothing")
+    steps = [{**launches([code]), **work([code], kernels, "bf16")} for code in sources]
+    return {"model": model, "decoding": True, "context": context, "graphs": len(sources), "steps": steps}
+
+
+def _report(r: dict) -> None:
+    for name, step in [("step", r)] if "steps" not in r else [(f"step {i + 1}", s) for i, s in enumerate(r["steps"])]:
+        print(f"{r['model']:12s} {name}: {step['launches']:5d} launches ({step['copies_back']} copies back): Triton "
+              f"{step['triton']}, products {step['extern']}, fallbacks {step['aten_fallbacks']}", flush=True)  # fmt: skip
+        print(f"{'':12s} moves {step['triton_bytes'] / 1e9:.3f} GB in Triton kernels, {step['library_bytes'] / 1e9:.3f}"
+              f" GB in products and attention ({step['flop'] / 1e12:.3f} TFLOP): at least "
+              f"{step['h200_roofline_ms']:.3f} ms on one H200", flush=True)  # fmt: skip
 
 
 def main(argv=None) -> list[dict]:
@@ -236,12 +286,19 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "tf32"])
     parser.add_argument("--batch", type=int, default=1, help="(launches do not depend on it; bytes and products do)")
     parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--decode", type=int, default=None, metavar="CONTEXT",
+                        help="count the decoding steps generate() compiles after a prompt of CONTEXT tokens instead "
+                        "(benchmark_decoding.py's compiled rows)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write the counts here")
-    parser.add_argument("--quick", action="store_true", help="benchmark_gpu.py's --quick width (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="the benchmarks' --quick width (a smoke run)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(count_one(args.worker, args.precision, args.batch, args.length, args.quick)))
+        if args.decode is not None:
+            row = count_decoding(args.worker, args.decode, args.quick)
+        else:
+            row = count_training(args.worker, args.precision, args.batch, args.length, args.quick)
+        print(json.dumps(row))
         return []
     rows = []
     for model in args.models:
@@ -250,16 +307,12 @@ def main(argv=None) -> list[dict]:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": path}
             command = [sys.executable, __file__, "--worker", model, "--precision", args.precision,
                        "--batch", str(args.batch), "--length", str(args.length)] + ["--quick"] * args.quick  # fmt: skip
+            command += ["--decode", str(args.decode)] if args.decode is not None else []
             proc = subprocess.run(command, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{model}: {proc.stderr[-2000:]}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        r = rows[-1]
-        print(f"{model:12s} {r['launches']:5d} launches per step: Triton {r['triton']}, products {r['extern']}, "
-              f"fallbacks {r['aten_fallbacks']}", flush=True)  # fmt: skip
-        print(f"{'':12s} moves {r['triton_bytes'] / 1e9:.2f} GB in Triton kernels, {r['library_bytes'] / 1e9:.2f} GB in "
-              f"products and attention ({r['flop'] / 1e12:.2f} TFLOP): at least {r['h200_roofline_ms']:.2f} ms on one "
-              "H200", flush=True)  # fmt: skip
+        _report(rows[-1])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return rows

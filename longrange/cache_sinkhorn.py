@@ -53,13 +53,13 @@ def _at_bucket(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor | None:
     return t.gather(2, u[:, None, None, None].expand(b, h, 1, k))[:, :, 0]
 
 
-def _join_own_bucket(window, slot: torch.Tensor, kv) -> None:
+def _join_own_bucket(window, own: torch.Tensor, kv) -> None:
     """The new token (kv: k, v [b, h, 1, d]) joins the own bucket of a kept window (keys, values [b, h, K, d], additive
-    mask [b, h, 1, K]) at its slot (`slot` [b, h, 1, d], see `RoutingState._step_index`), in place."""
+    mask [b, h, 1, K]) at its slot (`own` [b], see `RoutingState._step_index`), in place."""
     keys, values, bias = window
-    keys.scatter_(2, slot, kv[0].to(keys.dtype))
-    values.scatter_(2, slot, kv[1].to(values.dtype))
-    bias.scatter_(3, slot[..., :1], 0.0)
+    put_along(keys, 2, own[:, None], kv[0].to(keys.dtype))
+    put_along(values, 2, own[:, None], kv[1].to(values.dtype))
+    put_along(bias, 3, own[:, None], bias.new_zeros(*bias.shape[:3], 1))
 
 
 def _map_state(state: dict, fn) -> dict:
@@ -79,9 +79,8 @@ class DecodingStep(NamedTuple):
 
     position: [b] long, each row's real tokens so far (the new token's position and cache slot - origin);
     real: [b] bool, whether the row's new token is real (padding enters no summary and moves no position);
-    host: None (a static step), or (positions, reals, epoch, memo) in a host-following step: the same numbers as
-        Python lists, the cache's epoch (working windows built before it are stale) and a dict in which the
-        step's head groups share index tensors (see `RoutingState.step_index`);
+    host: None (a static step), or (positions, reals, epoch) in a host-following step: the same numbers as
+        Python lists and the cache's epoch (working windows built before it are stale);
     origin: the key/value slot of position 0;
     routes: False when the host knows that no row's token leads a bucket, so that no head group routes and each
         keeps its last window (a static step of generate(), see `SinkhornCache.plan_real_step`); True: every
@@ -92,6 +91,7 @@ class DecodingStep(NamedTuple):
     host: tuple | None
     origin: int
     routes: bool = True
+    memo: dict | None = None  # the step's index tensors, shared by its head groups (see `RoutingState.step_index`)
 
 
 class RoutingState:
@@ -116,29 +116,24 @@ class RoutingState:
 
     # -- a decoding step: one new token per row ---------------------------------------------------------------------
 
-    def step_index(self, step: DecodingStep, shape) -> dict:
-        """The index tensors of a step (`_step_index`); in a host-following step shared by the step's groups of
-        the same layout and shape (the step's memo)."""
-        g, (b, h, _, d) = self.group, shape
-        if step.host is None:
-            return self._step_index(step.position, step.real, b, h, d)
-        key, memo = (g.bucket_size, g.offset, g.skip_first, g.n_top, b, h, d), step.host[3]
-        return memo.get(key) or memo.setdefault(key, self._step_index(step.position, step.real, b, h, d))
+    def step_index(self, step: DecodingStep) -> dict:
+        """The index tensors of a step (`_step_index`), shared by the step's groups of the same layout in every
+        layer (the step's memo): computed once per step, not once per layer (in a compiled step, kernels the
+        compiler would not merge)."""
+        g = self.group
+        if step.memo is None:
+            return self._step_index(step.position, step.real)
+        key = (g.bucket_size, g.offset, g.skip_first, g.n_top)
+        return step.memo.get(key) or step.memo.setdefault(key, self._step_index(step.position, step.real))
 
-    def _step_index(self, position, real, b, h, d) -> dict:
-        """Query bucket u [b], the tokens that enter the routing summaries (bool and float [b]), and for [b, h, ., d]
-        buffers the slots of u and of the token's own-bucket window slot."""
+    def _step_index(self, position, real) -> dict:
+        """Query bucket u [b], the tokens that enter the routing summaries (bool and float [b]) and the token's slot in
+        its window (own [b])."""
         size, off = self.group.bucket_size, self.group.offset
         u = torch.div(position + off, size, rounding_mode="floor")
         counted = real & (u > 0) if self.group.skip_first else real
         own = self.group.n_top * size + (position + off) % size  # the window: the chosen buckets, then the own bucket
-        return dict(
-            u=u,
-            counted=counted,
-            weight=counted.float(),
-            bucket=u[:, None, None, None].expand(b, h, 1, d),
-            own=own[:, None, None, None].expand(b, h, 1, d),
-        )
+        return dict(u=u, counted=counted, weight=counted.float(), own=own)
 
     def add_token(self, q, k, position, ix: dict) -> None:
         """Self-attention: the new token (q, k [b, h, 1, d] at `position` [b]) enters its key bucket's summary and,
@@ -150,8 +145,8 @@ class RoutingState:
             t["k_run_count"].add_(weight)
             run = t["k_run_sum"] / t["k_run_count"].clamp_min(1)[:, None, None]
             new_k = run * weight[:, None, None]
-        t["k_sum"].scatter_add_(2, ix["bucket"], new_k[:, :, None])
-        t["k_count"].scatter_add_(1, ix["u"][:, None], weight[:, None])
+        put_along(t["k_sum"], 2, ix["u"][:, None], new_k[:, :, None], accumulate=True)
+        put_along(t["k_count"], 1, ix["u"][:, None], weight[:, None], accumulate=True)
         self.add_query(q, position, ix["counted"])
 
     def add_query(self, q, position, real) -> None:
@@ -197,7 +192,7 @@ class RoutingState:
         if step.host is None:
             return self._static_window(bank, heads, step, ix, kv, dtype)
         size, off = self.group.bucket_size, self.group.offset
-        positions, _, epoch, _ = step.host
+        positions, _, epoch = step.host
         buckets = [(p + off) // size for p in positions]
         window = self.window_cache
         if routed or window is None or window[0] != (epoch, buckets):
@@ -503,7 +498,7 @@ class SinkhornCache(Cache):
         self.step_real = None  # [b] during a decoding step: whether the row's new token is real
         self.on_host = False  # set by begin_prefill: buffers on the CPU and not static_steps (`follows_host`)
         self.step_host = None  # during a host-following step: (positions, real) of every row, Python lists
-        self.step_memo = None  # and the index tensors its layers share (see RoutingState.step_index)
+        self.step_memo = None  # during a decoding step: the index tensors its layers share (RoutingState.step_index)
         self.host_epoch = 0  # bumped whenever the state changes outside host-following steps (windows go stale)
         self.step_routes = None  # for the next step only: whether some row's token leads a bucket (plan_real_step)
         self._pads_host = None  # (host_epoch, each row's padding tokens so far), read back by plan_real_step
@@ -558,14 +553,13 @@ class SinkhornCache(Cache):
     def begin_step(self, real: torch.Tensor) -> None:
         if not torch.compiler.is_compiling() and self._seen_host is not None:
             self.reserve(self._seen_host + 1)
-        self.step_real = real
-        self.step_host = None
+        self.step_real, self.step_host, self.step_memo = real, None, {}
         if self.follows_host:
             self._window_epoch = None  # host-following steps keep windows of their own
             if self._compiled_step:
                 self.host_epoch, self._compiled_step = self.host_epoch + 1, False
-            self.step_host, self.step_memo = (self.lengths.tolist(), real.tolist()), {}
-        self.token_mask.scatter_(1, self.seen.view(1, 1).expand(real.shape[0], 1), real[:, None])
+            self.step_host = (self.lengths.tolist(), real.tolist())
+        put_along(self.token_mask, 1, self.seen.view(1, 1).expand(real.shape[0], 1), real[:, None])
 
     def plan_real_step(self) -> None:
         """generate()'s word before a one-token step: every row's new token is real. The host then knows each row's
@@ -591,8 +585,8 @@ class SinkhornCache(Cache):
     @property
     def step(self) -> DecodingStep:
         """The decoding step under way (between `begin_step` and `end_step`)."""
-        host = None if self.step_host is None else (*self.step_host, self.host_epoch, self.step_memo)
-        return DecodingStep(self.lengths, self.step_real, host, self.origin, self.step_routes is not False)
+        host, routes = None if self.step_host is None else (*self.step_host, self.host_epoch), self.step_routes
+        return DecodingStep(self.lengths, self.step_real, host, self.origin, routes is not False, self.step_memo)
 
     @property
     def host_seq_length(self) -> int | None:

@@ -361,27 +361,28 @@ def _register_blockwise() -> None:
 _register_blockwise()
 
 
-def put_along(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
-    """In place, buffer[b, .., index[b, j], ..] = values[b, .., j, ..] along `dim` (1, or 2 with the same slots for
-    every entry of dim 1, the heads), for index [batch, n] (distinct per row): how the static caches write.
+def put_along(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor, accumulate: bool = False):
+    """In place, buffer[b, .., index[b, j], ..] = values[b, .., j, ..] along `dim` >= 1 (the same slots for every
+    entry of the dims between 0 and `dim`, e.g. the heads), for index [batch, n] (distinct per row); with
+    `accumulate`, added instead: how the static caches write.
 
-    Eager, a `scatter_` (the cheaper call: 15 us against 40 us for an `index_put_` on a [1, 8, 1100, 64] buffer on
-    the CPU). Compiled (inductor), an `index_put_`: there a `scatter_` rewrites the whole buffer on every call (an
-    8 MiB buffer on the CPU: 1 ms against 70 us), and a compiled decoding step would cost more as the cache's
-    capacity grows."""
-    if dim not in (1, 2):
-        raise ValueError(f"put_along: dim must be 1 or 2, got {dim}")
+    Eager, a `scatter_` / `scatter_add_` (the cheaper call: 15 us against 40 us for an `index_put_` on a
+    [1, 8, 1100, 64] buffer on the CPU). Compiled (inductor), an `index_put_`: there a `scatter_` becomes a kernel
+    that rewrites the whole buffer into a copy plus a second kernel that copies it back (an 8 MiB buffer on the CPU:
+    1 ms against 70 us), and a compiled decoding step would cost more as the cache's capacity grows."""
+    if not 1 <= dim < buffer.dim():
+        raise ValueError(f"put_along: dim must be between 1 and {buffer.dim() - 1}, got {dim}")
     if not torch.compiler.is_compiling():
         view = (slice(None),) + (None,) * (dim - 1) + (slice(None),) + (None,) * (buffer.dim() - dim - 1)
-        buffer.scatter_(dim, index[view].expand(values.shape), values)
+        index = index[view].expand(values.shape)
+        buffer.scatter_add_(dim, index, values) if accumulate else buffer.scatter_(dim, index, values)
         return
-    rows = torch.arange(index.shape[0], device=index.device)
-    if dim == 1:
-        indices = (rows[:, None], index)
-    else:
-        heads = torch.arange(buffer.shape[1], device=index.device)
-        indices = (rows[:, None, None], heads[None, :, None], index[:, None, :])
-    buffer.index_put_(indices, values)
+    shape = [1] * (dim + 1)  # indices broadcast to [batch, buffer.shape[1], .., buffer.shape[dim - 1], n]
+    indices = [torch.arange(index.shape[0], device=index.device).view([-1] + shape[1:])]
+    for d in range(1, dim):
+        indices.append(torch.arange(buffer.shape[d], device=index.device).view(shape[:d] + [-1] + shape[d + 1 :]))
+    indices.append(index.view([index.shape[0]] + shape[1:-1] + [index.shape[1]]))
+    buffer.index_put_(tuple(indices), values, accumulate=accumulate)
 
 
 def real_tokens_first(valid: torch.Tensor) -> torch.Tensor:

@@ -333,7 +333,7 @@ class CausalDecoding:
         Attention over the chosen buckets of the current query bucket and the own bucket up to the token: at most
         (n_top + 1) * bucket_size keys. A host-following step (see `SinkhornCache`) routes only when some row
         starts a bucket, and the cache reuses the last step's window otherwise."""
-        ix = state.step_index(step, q.shape)
+        ix = state.step_index(step)
         state.add_token(q, k, step.position, ix)
         routes = step.routes if step.host is None else state.any_row_leads(step.host)
         if routes:

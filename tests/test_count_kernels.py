@@ -53,3 +53,17 @@ def test_counts_forward_and_backward_launches_of_both_models(tmp_path):
         assert row["triton_bytes"] > 0 and row["library_bytes"] > 0
         floor = (row["triton_bytes"] + row["library_bytes"]) / module.H200["bytes_per_s"]  # every byte at peak
         assert row["h200_roofline_ms"] == pytest.approx(max(floor, row["flop"] / 989e12) * 1e3, rel=0.5)
+
+
+@pytest.mark.slow
+def test_sinkhorn_decoding_step_writes_its_cache_in_place():
+    """The decoding steps generate() compiles: the Sinkhorn step that keeps its window (most steps) launches fewer
+    kernels than the one that routes, and neither writes a cache buffer back from a copy (a `scatter_` on a cache
+    buffer did: 61 copies back per step at the benchmark's size)."""
+    spec = importlib.util.spec_from_file_location("count_kernels", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (row,) = module.main(["--quick", "--decode", "40", "--models", "sinkhorn"])
+    routes, keeps = row["steps"]
+    assert keeps["launches"] < routes["launches"]
+    assert routes["copies_back"] == keeps["copies_back"] == 0

@@ -122,9 +122,12 @@ def test_real_tokens_first_keeps_each_rows_real_tokens_in_order_then_its_padding
     assert real_tokens_first(valid).tolist() == expected
 
 
-@pytest.mark.parametrize("shape, dim", [((3, 9), 1), ((3, 9, 4), 1), ((3, 2, 9, 4), 2), ((3, 2, 9), 2)])
+@pytest.mark.parametrize(
+    "shape, dim", [((3, 9), 1), ((3, 9, 4), 1), ((3, 2, 9, 4), 2), ((3, 2, 9), 2), ((3, 2, 1, 9), 3)]
+)
 @pytest.mark.parametrize("compiled", [False, True])
-def test_put_along_writes_each_rows_slots_and_nothing_else(shape, dim, compiled):
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_put_along_writes_each_rows_slots_and_nothing_else(shape, dim, compiled, accumulate):
     from longrange.layers import put_along
 
     generator = torch.Generator().manual_seed(0)
@@ -134,9 +137,12 @@ def test_put_along_writes_each_rows_slots_and_nothing_else(shape, dim, compiled)
     expected = buffer.clone()
     for row in range(shape[0]):  # the writes one by one
         for j, slot in enumerate(index[row].tolist()):
-            target = (row, slice(None), slot) if dim == 2 else (row, slot)
-            source = (row, slice(None), j) if dim == 2 else (row, j)
-            expected[target] = values[source]
+            target = (row,) + (slice(None),) * (dim - 1) + (slot,)
+            source = (row,) + (slice(None),) * (dim - 1) + (j,)
+            expected[target] = expected[target] + values[source] if accumulate else values[source]
+    torch._dynamo.reset()  # (each case compiles anew: no recompile limit across the cases)
     write = torch.compile(put_along, fullgraph=True, backend="aot_eager") if compiled else put_along
-    write(buffer, dim, index, values)
+    write(buffer, dim, index, values, accumulate=accumulate)
     assert torch.equal(buffer, expected)
+    with pytest.raises(ValueError, match="dim must be between 1 and"):
+        put_along(buffer, len(shape), index, values)
