@@ -1,17 +1,26 @@
-"""Kernels one compiled training step launches on a GPU, counted on a machine without one.
+"""Kernels one compiled training or decoding step launches on a GPU, and the work they do, counted on a machine
+without one.
 
-    python benchmarks/count_kernels.py                       # Sinkhorn and Llama, bf16, 1 x 2,048 tokens
-    python benchmarks/count_kernels.py --models sinkhorn --length 8192 --json /tmp/kernels.json
+    python benchmarks/count_kernels.py                       # training: Sinkhorn and Llama, bf16, 1 x 2,048 tokens
+    python benchmarks/count_kernels.py --batch 8 --length 2048 --json /tmp/kernels.json
+    python benchmarks/count_kernels.py --decode 1000 --models sinkhorn compressive llama   # decoding steps
 
 `torch.compile` (inductor) writes a GPU step as Triton kernels plus library calls (matrix products, attention).
-Here inductor generates that code for the training step of `benchmark_gpu.py` (same models, width and depth;
-forward under bf16 autocast, backward; AdamW is not compiled and not counted) with a stand-in for Triton's GPU
-driver: the kernels are written, never compiled or run, and the step fails where it would first launch one. The
-count is of the launches in the generated code of the forward and backward graphs: Triton kernels (pointwise,
-reduction, persistent reduction), matrix products (`extern_kernels.mm` / `bmm` / `addmm`) and aten fallbacks
-(attention). On the CPU, inductor picks the CPU's attention kernels and the same fusion as for a GPU; the device
-run of 2026-12-04 measured 692 kernels per compiled Sinkhorn step and 410 for Llama (AdamW, copies and the loss
-included), against 646 and 336 counted here at that commit.
+Here inductor generates that code with a stand-in for Triton's GPU driver: the kernels are written, never
+compiled, and every launch does nothing (buffers come zeroed; products and attention run on the CPU). Training:
+the step of `benchmark_gpu.py` (same models, width and depth; forward under bf16 autocast, backward; AdamW is not
+compiled and not counted), its forward and backward graphs. Decoding (`--decode CONTEXT`): the steps generate()
+compiles in `benchmark_decoding.py`'s compiled rows (batch 1, bf16 weights), one entry per graph.
+
+Counted: the launches in the generated code, Triton kernels (pointwise, reduction, persistent reduction), matrix
+products (`extern_kernels.mm` / `bmm` / `addmm`) and aten fallbacks (attention), and among them the copies back
+(inductor writing a mutated input back from a copy: an in-place update it could not do in place). Work: the bytes
+each Triton kernel moves (inductor's own estimate), the bytes and FLOPs of the products and attention (from their
+shapes), and an H200 roofline (each launch at the device's peak bandwidth or tensor throughput, whichever binds;
+a lower bound: launch gaps and kernels below peak come on top). On the CPU, inductor picks the CPU's attention
+kernels and the same fusion as for a GPU; the device run of 2026-12-04 measured 692 kernels per compiled
+Sinkhorn training step and 410 for Llama (AdamW, copies and the loss included), against 646 and 336 counted here
+at that commit.
 
 Needs the `triton` package (it is not a dependency: `pip install triton` in an environment of its own on a
 machine without a GPU). Each model runs in a subprocess with an empty inductor cache, so that every graph is
