@@ -100,7 +100,7 @@ class RoutingState:
     stores and answers: the summaries a choice is made from, the keys and values a step attends.
 
     tensors: "queries" [b, h, capacity, d] (every cached query, so that `crop` can rebuild the state), "q_sum"
-    [b, h, d] / "q_count" [b] (the running query sum), "route" / "route_valid" / "route_weight" [b, h, n_sel] (the
+    [b, h, d] (the running sum of the counted queries; how many follows from the position, `query_summary`), "route" / "route_valid" / "route_weight" [b, h, n_sel] (the
     current query bucket's choice: bank indices, null buckets first); self-attention also "k_sum" [b, h, nb, d] /
     "k_count" [b, nb] (per key bucket) and, with running_key_summary, "k_run_sum" [b, h, d] / "k_run_count" [b].
     window: a host-following step's working window, ((epoch, buckets), keys, values, bias), reused while no row
@@ -154,11 +154,14 @@ class RoutingState:
         t = self.tensors
         put_along(t["queries"], 2, position[:, None], q.to(t["queries"].dtype))
         t["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
-        t["q_count"].add_(real.float())
 
-    def query_summary(self) -> torch.Tensor:
-        """The mean of the counted queries so far [b, h, d] (float32)."""
-        return self.tensors["q_sum"] / self.tensors["q_count"].clamp_min(1)[:, None, None]
+    def query_summary(self, position, counted) -> torch.Tensor:
+        """The mean of the counted queries so far [b, h, d] (float32), the new token's (at `position` [b]) included
+        where `counted` [b]. How many were counted follows from the position: the real tokens come first (the
+        prefill orders them so), all of them count but, with skip_first, those of the short first bucket."""
+        g = self.group
+        before = (position - (g.bucket_size - g.offset)).clamp_min(0) if g.skip_first else position
+        return self.tensors["q_sum"] / (before + counted.long()).clamp_min(1)[:, None, None]
 
     def key_summaries(self, u: torch.Tensor):
         """Key-bucket summaries [b, h, nb, d] and which buckets a query bucket u [b] may choose ([b, nb])."""
@@ -277,7 +280,6 @@ class RoutingState:
         c = counted.float()
         u = torch.div((length - 1).clamp_min(0) + off, size, rounding_mode="floor")  # the current bucket [b]
         t["q_sum"].copy_((queries * c[:, None, :, None]).sum(2))
-        t["q_count"].copy_(c.sum(1))
         if not g.cross:
             self._rebuild_key_sums(keys.float(), c, bucket)
             sk, k_valid = self.key_summaries(u)
@@ -377,7 +379,6 @@ class SinkhornLayerState:
         state = {
             "queries": queries,
             "q_sum": record["q_sum"].detach().clone(),
-            "q_count": record["q_count"].clone(),
             "route": _at_bucket(record["route"], u),
             "route_valid": _at_bucket(record["route_valid"], u),
         }

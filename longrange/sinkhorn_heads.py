@@ -318,7 +318,7 @@ class CausalDecoding:
     def _route(self, state, position, real, u, context=None) -> None:
         """Rows whose real token (`real` [b]) at `position` [b] leads a bucket choose that bucket's key buckets, from
         the running query mean and the key-bucket summaries the cache keeps (cross-attention: the context's)."""
-        sq = state.query_summary()  # [b, h, d]
+        sq = state.query_summary(position, real)  # [b, h, d]
         sk, k_valid = state.key_summaries(u) if context is None else (context["sk"], context["k_valid"])
         lead = real & ((position + self.offset) % self.bucket_size == 0)
         state.keep_route(lead, *self.choose(sq, sk, k_valid))
@@ -573,7 +573,6 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
     def _record(self, record, q_sums, counted, idx, picked_valid, scale, bank: _Bank, k) -> None:
         """What the generation cache keeps of a full pass (see `SinkhornLayerState.fill_self` / `fill_cross`)."""
         record["q_sum"] = q_sums.sum(2)  # [b, h, d]
-        record["q_count"] = counted.sum(1).float()  # [b]
         record["route"] = idx  # [b, h, n, n_sel]: the cache keeps the row of the current bucket
         record["route_valid"] = picked_valid
         record["route_weight"] = scale.detach() if self.weight_routed_values else None  # [b, h, n, n_sel]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM
+from longrange import SinkhornCache, SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM
 from tests.property_utils import (
     PROPERTY_SETTINGS,
     assert_finite_training_step,
@@ -220,16 +220,21 @@ def test_future_tokens_never_change_earlier_logits(options, length, pad, data, g
     options=sinkhorn_options(causal=True),
     lengths=st.lists(st.integers(1, 20), min_size=1, max_size=3),
     new_tokens=st.integers(1, 16),
+    static_steps=st.booleans(),
     seed=seeds,
 )
-def test_cached_greedy_generation_equals_uncached_recomputation(options, lengths, new_tokens, seed):
+def test_cached_greedy_generation_equals_uncached_recomputation(options, lengths, new_tokens, static_steps, seed):
+    """Both decoding paths: the CPU's host-following steps, and the static steps of an accelerator or a compiled
+    step (`static_steps=True`)."""
     model = build(options, seed)
     vocab = options["vocab_size"]
     generator = torch.Generator().manual_seed(seed)
     ids, mask, _ = pad_rows([random_ids(generator, vocab, (n,)) for n in lengths], "left", vocab, generator)
     assert ids.shape[1] + new_tokens <= MAX_TOKENS
+    cache = SinkhornCache(model.config, max_cache_len=ids.shape[1] + new_tokens, static_steps=static_steps)
     result = model.generate(
         ids,
+        cache=cache,
         attention_mask=mask,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
