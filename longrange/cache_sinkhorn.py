@@ -33,7 +33,6 @@ from .sinkhorn_routing import (
     bucket_sums,
     pick_buckets,
     routing_einsum,
-    routing_matmul,
 )
 
 
@@ -100,9 +99,10 @@ class RoutingState:
     stores and answers: the summaries a choice is made from, the keys and values a step attends.
 
     tensors: "queries" [b, h, capacity, d] (every cached query, so that `crop` can rebuild the state), "q_sum"
-    [b, h, d] (the running sum of the counted queries; how many follows from the position, `query_summary`), "route" / "route_valid" / "route_weight" [b, h, n_sel] (the
-    current query bucket's choice: bank indices, null buckets first); self-attention also "k_sum" [b, h, nb, d] /
-    "k_count" [b, nb] (per key bucket) and, with running_key_summary, "k_run_sum" [b, h, d] / "k_run_count" [b].
+    [b, h, d] (the running sum of the counted queries), "route" / "route_valid" / "route_weight" [b, h, n_sel] (the
+    current query bucket's choice: bank indices, null buckets first); self-attention also "k_sum" [b, h, nb, d] (per
+    key bucket) and, with running_key_summary, "k_run_sum" [b, h, d]. How many tokens each sum holds is not kept:
+    it follows from the row's position, since the real tokens come first (`_counted`, `key_summaries`).
     window: a host-following step's working window, ((epoch, buckets), keys, values, bias), reused while no row
     enters a new bucket."""
 
@@ -142,11 +142,9 @@ class RoutingState:
         new_k = k[:, :, 0].float() * weight[:, None, None]  # [b, h, d]
         if self.group.running_key_summary:
             t["k_run_sum"].add_(new_k)
-            t["k_run_count"].add_(weight)
-            run = t["k_run_sum"] / t["k_run_count"].clamp_min(1)[:, None, None]
+            run = t["k_run_sum"] / self._counted(position, ix["counted"]).clamp_min(1)[:, None, None]
             new_k = run * weight[:, None, None]
         put_along(t["k_sum"], 2, ix["u"][:, None], new_k[:, :, None], accumulate=True)
-        put_along(t["k_count"], 1, ix["u"][:, None], weight[:, None], accumulate=True)
         self.add_query(q, position, ix["counted"])
 
     def add_query(self, q, position, real) -> None:
@@ -155,20 +153,29 @@ class RoutingState:
         put_along(t["queries"], 2, position[:, None], q.to(t["queries"].dtype))
         t["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
 
-    def query_summary(self, position, counted) -> torch.Tensor:
-        """The mean of the counted queries so far [b, h, d] (float32), the new token's (at `position` [b]) included
-        where `counted` [b]. How many were counted follows from the position: the real tokens come first (the
-        prefill orders them so), all of them count but, with skip_first, those of the short first bucket."""
+    def _counted(self, position, counted) -> torch.Tensor:
+        """How many tokens the running sums hold [b], the new token's (at `position` [b]) included where `counted`:
+        the real tokens come first (the prefill orders them so) and all count but, with skip_first, those of the
+        short first bucket."""
         g = self.group
         before = (position - (g.bucket_size - g.offset)).clamp_min(0) if g.skip_first else position
-        return self.tensors["q_sum"] / (before + counted.long()).clamp_min(1)[:, None, None]
+        return before + counted.long()
 
-    def key_summaries(self, u: torch.Tensor):
-        """Key-bucket summaries [b, h, nb, d] and which buckets a query bucket u [b] may choose ([b, nb])."""
-        counts, sums = self.tensors["k_count"], self.tensors["k_sum"]
-        sk = sums if self.group.running_key_summary else sums / counts.clamp_min(1)[:, None, :, None]
-        earlier = torch.arange(counts.shape[1], device=counts.device)[None] < u[:, None]
-        return sk, earlier & (counts > 0)
+    def query_summary(self, position, counted) -> torch.Tensor:
+        """The mean of the counted queries so far [b, h, d] (float32), the new token's included where `counted`."""
+        return self.tensors["q_sum"] / self._counted(position, counted).clamp_min(1)[:, None, None]
+
+    def key_summaries(self, u: torch.Tensor, seen: torch.Tensor):
+        """Key-bucket summaries [b, h, nb, d] and which buckets a query bucket u [b] may choose ([b, nb]), in rows
+        whose first `seen` [b] real tokens are summed. Bucket j holds the positions from j * size - offset on."""
+        g, sums = self.group, self.tensors["k_sum"]
+        buckets = torch.arange(sums.shape[2], device=sums.device)
+        start = buckets * g.bucket_size - g.offset
+        counts = (torch.minimum(seen[:, None], start + g.bucket_size) - start.clamp_min(0)).clamp_min(0)  # [b, nb]
+        if g.skip_first:  # the short first bucket is not summed
+            counts = counts * (buckets > 0)
+        sk = sums if g.running_key_summary else sums / counts.clamp_min(1)[:, None, :, None]
+        return sk, (buckets[None] < u[:, None]) & (counts > 0)
 
     def keep_route(self, rows, idx, picked_valid, weight) -> None:
         """Store a new routing choice ([b, h, n_sel] each; weight None unless weighted) in `rows` [b]."""
@@ -282,7 +289,7 @@ class RoutingState:
         t["q_sum"].copy_((queries * c[:, None, :, None]).sum(2))
         if not g.cross:
             self._rebuild_key_sums(keys.float(), c, bucket)
-            sk, k_valid = self.key_summaries(u)
+            sk, k_valid = self.key_summaries(u, length)
         # the choice of the current bucket, made at its leading token
         lead = u * size - off  # [b] (-1: the shifted heads' virtual first token)
         upto = (pos[None] <= lead[:, None]).float() * c
@@ -296,15 +303,13 @@ class RoutingState:
         """Self-attention's key-bucket sums (and running sums) from the cached keys [b, h, C, d] of the counted
         tokens (c [b, C] float; bucket [C] each slot's key bucket)."""
         t = self.tensors
-        per_bucket = F.one_hot(bucket, t["k_count"].shape[1]).float()  # [C, nb]
+        per_bucket = F.one_hot(bucket, t["k_sum"].shape[2]).float()  # [C, nb]
         if self.group.running_key_summary:
             weighted = keys * c[:, None, :, None]
             run = weighted.cumsum(2) / c.cumsum(1).clamp_min(1)[:, None, :, None]
             t["k_run_sum"].copy_(weighted.sum(2))
-            t["k_run_count"].copy_(c.sum(1))
             keys = run
         t["k_sum"].copy_(routing_einsum("bhcd,bc,cn->bhnd", keys, c, per_bucket))
-        t["k_count"].copy_(routing_matmul(c, per_bucket))
 
 
 def _write_null_buckets(keys, values, group) -> None:
@@ -361,10 +366,8 @@ class SinkhornLayerState:
                 )
                 state = self._routing_state(q[:, s:e], record, u)
                 state["k_sum"] = _grow(record["k_sum"].detach(), 2, nb).clone()
-                state["k_count"] = _grow(record["k_count"], 1, nb).clone()
                 if "k_run_sum" in record:
                     state["k_run_sum"] = record["k_run_sum"].detach().clone()
-                    state["k_run_count"] = record["k_run_count"].clone()
                 width = (group.n_top + 1) * owner.bucket_size  # a step's window: the chosen buckets, the own one
                 state["window_keys"], state["window_values"] = (t.new_zeros(b, e - s, width, d) for t in (k, v))
                 state["window_bias"] = q.new_zeros(b, e - s, 1, width)
@@ -423,11 +426,7 @@ class SinkhornLayerState:
             slots = self.owner.slots
             self.keys, self.values = (_static(_grow(t, 2, slots)) for t in (self.keys, self.values))
         for state in self._routing_states():
-            for name, dim, size in (
-                ("queries", 2, capacity),
-                ("k_sum", 2, bucket_capacity),
-                ("k_count", 1, bucket_capacity),
-            ):
+            for name, dim, size in (("queries", 2, capacity), ("k_sum", 2, bucket_capacity)):
                 if name in state.tensors:
                     state.tensors[name] = _static(_grow(state.tensors[name], dim, size))
 

@@ -274,8 +274,8 @@ class _Bank(NamedTuple):
     """A causal group's routing candidates (see `CausalSinkhornHeads.bucketed`): scores [b, h, n, candidates]
     (float32), which may be chosen (bool, broadcastable to it), how many are chosen, and the bank they are picked
     from: keys, values [b, h, candidates, slots, d], key mask [b, candidates, slots] (self-attention: the null
-    buckets, then every key bucket, the own ones included). Self-attention also keeps the key-bucket sums and counts
-    (for the cache); cross-attention has none."""
+    buckets, then every key bucket, the own ones included). Self-attention also keeps the key-bucket sums (for the
+    cache); cross-attention has none."""
 
     scores: torch.Tensor
     valid: torch.Tensor
@@ -284,7 +284,6 @@ class _Bank(NamedTuple):
     values: torch.Tensor
     mask: torch.Tensor
     k_sums: torch.Tensor | None = None
-    k_counts: torch.Tensor | None = None
 
 
 class CausalDecoding:
@@ -319,7 +318,10 @@ class CausalDecoding:
         """Rows whose real token (`real` [b]) at `position` [b] leads a bucket choose that bucket's key buckets, from
         the running query mean and the key-bucket summaries the cache keeps (cross-attention: the context's)."""
         sq = state.query_summary(position, real)  # [b, h, d]
-        sk, k_valid = state.key_summaries(u) if context is None else (context["sk"], context["k_valid"])
+        if context is None:
+            sk, k_valid = state.key_summaries(u, position + real.long())
+        else:
+            sk, k_valid = context["sk"], context["k_valid"]
         lead = real & ((position + self.offset) % self.bucket_size == 0)
         state.keep_route(lead, *self.choose(sq, sk, k_valid))
 
@@ -483,7 +485,6 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
             values=torch.cat([null_v, bv], dim=2),
             mask=torch.cat([null_m, mask.view(b, n, size)], dim=1),  # [b, n_null + n, B]
             k_sums=k_sums,
-            k_counts=k_counts,
         )
 
     def _gather_chosen(self, bank: _Bank, idx, picked_valid, scale):
@@ -578,10 +579,8 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         record["route_weight"] = scale.detach() if self.weight_routed_values else None  # [b, h, n, n_sel]
         if not self.cross:
             record["k_sum"] = bank.k_sums  # [b, h, n, d] (running_key_summary: the summaries themselves)
-            record["k_count"] = bank.k_counts  # [b, n]
             if self.running_key_summary:
                 record["k_run_sum"] = (k.float() * counted[:, None, :, None]).sum(2)  # [b, h, d]
-                record["k_run_count"] = counted.sum(1).float()  # [b]
 
     def _select(self, scores, valid, n_sel):
         """`select_buckets` with this group's routing options (a causal group never runs Sinkhorn balancing)."""
