@@ -58,12 +58,15 @@ def test_counts_forward_and_backward_launches_of_both_models(tmp_path):
 @pytest.mark.slow
 def test_sinkhorn_decoding_step_writes_its_cache_in_place():
     """The decoding steps generate() compiles: the Sinkhorn step that keeps its window (most steps) launches fewer
-    kernels than the one that routes, and neither writes a cache buffer back from a copy (a `scatter_` on a cache
-    buffer did: 61 copies back per step at the benchmark's size)."""
+    kernels than the one that routes and writes no cache buffer back from a copy (a `scatter_` on a cache buffer
+    did: 61 copies back per step at the benchmark's size, 21 here)."""
     spec = importlib.util.spec_from_file_location("count_kernels", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     (row,) = module.main(["--quick", "--decode", "40", "--models", "sinkhorn"])
     routes, keeps = row["steps"]
     assert keeps["launches"] < routes["launches"]
-    assert routes["copies_back"] == keeps["copies_back"] == 0
+    assert keeps["copies_back"] == 0
+    # the routing step may copy back a new routing choice ([b, h, n_top], `keep_route`) whose value inductor also
+    # recomputes in a consumer: at most one per layer (2 here; the scatters gave 9)
+    assert routes["copies_back"] <= 2
