@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = {"sinkhorn": "ours", "compressive": "ours", "llama": "llama"}
 
 
-def _stand_in_driver(kernels: dict[str, str]):
+def _stand_in_driver(kernels: dict[str, str], device: str = "cpu"):
     """Triton's active driver replaced by one that reports a GPU target (code generation asks for it) and
     inductor's kernel compilation by a recorder of each kernel's source (into `kernels`): the generated code runs,
     every Triton launch doing nothing (its outputs are left unwritten; matrix products and attention run on the
@@ -65,7 +65,7 @@ def _stand_in_driver(kernels: dict[str, str]):
             return 0
 
         def get_active_torch_device(self):
-            return torch.device("cpu")
+            return torch.device(device)
 
         def is_active(self):
             return True
@@ -74,7 +74,7 @@ def _stand_in_driver(kernels: dict[str, str]):
             return None
 
         def get_device_interface(self):
-            return torch.cpu
+            return torch.cuda if device == "cuda" else torch.cpu
 
     triton.runtime.driver.set_active(Driver())
 
@@ -194,23 +194,21 @@ def work(sources: list[str], kernels: dict[str, str], precision: str) -> dict:
     }
 
 
-def _generated_code(run) -> tuple[list[str], dict[str, str]]:
-    """Run `run()` with inductor writing Triton code for the CPU device as for a GPU, every launch a no-op;
-    return the wrapper code of each graph generated (kernel sources cut out) and each kernel's source."""
+def _generated_code(run, device: str = "cpu") -> tuple[list[str], dict[str, str]]:
+    """Run `run()` with inductor writing Triton code for the CPU device as for a GPU (device "cuda": for the fake
+    CUDA device of `fake_cuda.py`), every launch a no-op; return the wrapper code of each graph generated (kernel
+    sources cut out) and each kernel's source."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor import graph as inductor_graph
 
-    from longrange.layers import FeedForward
-
-    FeedForward.block_elements = 1 << 62  # one pass as on a GPU (the CPU splits long inputs into row blocks)
     inductor_config.cpu_backend = "triton"  # the GPU's code generator for the CPU device
     inductor_config.compile_threads = 1
     inductor_config.fx_graph_cache = False
     inductor_config.benchmark_kernel = True  # each kernel's source states the bytes it moves (`kernel_num_gb`)
     functorch_config.force_non_lazy_backward_lowering = True  # the backward graph is generated with the forward
     kernels: dict[str, str] = {}
-    _stand_in_driver(kernels)
+    _stand_in_driver(kernels, device)
     sources: list[str] = []
     codegen = inductor_graph.GraphLowering.codegen
 
@@ -241,19 +239,29 @@ def launches(sources: list[str]) -> dict:
     }
 
 
-def count_training(model: str, precision: str, batch: int, length: int, quick: bool = False) -> dict:
-    """In this process: the compiled training step's launches (forward and backward graphs) and work."""
+def count_training(model: str, precision: str, batch: int, length: int, quick: bool = False, device="cpu") -> dict:
+    """In this process: the compiled training step's launches (forward and backward graphs) and work. device
+    "cuda": generated for a CUDA device (`fake_cuda.py`), else Triton code for the CPU device."""
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import benchmark_gpu
+    import fake_cuda
 
     row = benchmark_gpu.Row(model, MODELS[model], precision, "compiled", batch, length)
-    _, step = benchmark_gpu.build_step(row, benchmark_gpu.sizes(quick), torch.device("cpu"), {})
-    sources, kernels = _generated_code(step)
+    size, cpu = benchmark_gpu.sizes(quick), torch.device("cpu")
+    if device == "cuda":  # dynamo's graphs captured on the CPU, then generated for the device
+        graphs = []
+        _, step = benchmark_gpu.build_step(row, size, cpu, {"backend": fake_cuda.capturing(graphs)})
+        step()
+        autocast = torch.bfloat16 if precision == "bf16" else None
+        sources, kernels = _generated_code(lambda: fake_cuda.compile_for_cuda(graphs, autocast), "cuda")
+    else:
+        _, step = benchmark_gpu.build_step(row, size, cpu, {})
+        sources, kernels = _generated_code(step)
     if len(sources) != 2:
         raise RuntimeError(f"{model}: expected a forward and a backward graph, got {len(sources)}")
-    return {"model": model, "precision": precision, "shape": [batch, length], "graphs": len(sources),
+    return {"model": model, "precision": precision, "shape": [batch, length], "device": device, "graphs": len(sources),
             **launches(sources), **work(sources, kernels, precision)}  # fmt: skip
 
 
@@ -298,15 +306,23 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--decode", type=int, default=None, metavar="CONTEXT",
                         help="count the decoding steps generate() compiles after a prompt of CONTEXT tokens instead "
                         "(benchmark_decoding.py's compiled rows)")  # fmt: skip
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the code inductor generates for an H200 (fake_cuda.py; needs a CUDA build of "
+                        "torch, no GPU); cpu (default): Triton code for the CPU device")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write the counts here")
     parser.add_argument("--quick", action="store_true", help="the benchmarks' --quick width (a smoke run)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
+        from longrange.layers import FeedForward
+
+        FeedForward.block_elements = 1 << 62  # one pass as on a GPU (the CPU splits long inputs into row blocks)
+        if args.decode is not None and args.device == "cuda":
+            raise SystemExit("--device cuda counts training steps only")
         if args.decode is not None:
             row = count_decoding(args.worker, args.decode, args.quick)
         else:
-            row = count_training(args.worker, args.precision, args.batch, args.length, args.quick)
+            row = count_training(args.worker, args.precision, args.batch, args.length, args.quick, args.device)
         print(json.dumps(row))
         return []
     rows = []
@@ -314,8 +330,21 @@ def main(argv=None) -> list[dict]:
         with tempfile.TemporaryDirectory() as cache:
             path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # the repository first
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": path}
-            command = [sys.executable, __file__, "--worker", model, "--precision", args.precision,
-                       "--batch", str(args.batch), "--length", str(args.length)] + ["--quick"] * args.quick  # fmt: skip
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                model,
+                "--precision",
+                args.precision,
+                "--batch",
+                str(args.batch),
+                "--length",
+                str(args.length),
+                "--device",
+                args.device,
+            ]
+            command += ["--quick"] * args.quick  # fmt: skip
             command += ["--decode", str(args.decode)] if args.decode is not None else []
             proc = subprocess.run(command, env=env, capture_output=True, text=True)
         if proc.returncode != 0:

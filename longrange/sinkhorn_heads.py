@@ -20,10 +20,12 @@ from .sinkhorn_routing import (
     attend_buckets,
     batch_head_index,
     bucket_sums,
+    earlier_sums,
     pick_buckets,
     prev_bucket,
     routing_einsum,
     routing_matmul,
+    running_sums,
     select_buckets,
     token_weights,
 )
@@ -442,8 +444,8 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         q_sums, q_counts = bucket_sums(q, counted, size)  # [b, h, n, d], [b, n]
         lead_real = counted.view(b, n, size)[..., 0]  # [b, n]
         lead_q = bq[:, :, :, 0].float() * lead_real[:, None, :, None]  # leading tokens [b, h, n, d]
-        lead_sum = q_sums.cumsum(2) - q_sums + lead_q  # queries summed up to each leading token (inclusive)
-        lead_count = q_counts.cumsum(-1) - q_counts + lead_real
+        lead_sum = earlier_sums(q_sums) + lead_q  # queries summed up to each leading token (inclusive)
+        lead_count = earlier_sums(q_counts[..., None])[..., 0] + lead_real
         return counted, q_sums, lead_sum / lead_count.clamp_min(1)[:, None, :, None]
 
     def _bank(self, sq, k, v, mask, k_mask, counted, null) -> _Bank:
@@ -457,7 +459,7 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         if self.running_key_summary:
             # each key bucket: the sum over its tokens of the running mean of all keys so far
             c = counted.to(torch.float32)[:, None, :, None]  # [b, 1, L, 1]
-            running = (k.float() * c).cumsum(2) / c.cumsum(2).clamp_min(1)
+            running = running_sums(k.float() * c, size) / running_sums(c, size).clamp_min(1)
             k_sums = (running * c).view(b, h, n, size, d).sum(3)  # [b, h, n, d]
             sk = k_sums
         else:

@@ -29,6 +29,25 @@ def routing_einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
         return torch.einsum(equation, *(t.float() for t in operands))
 
 
+def earlier_sums(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n, d] -> [..., n, d] in float32: row i holds the sum of the rows before it. A product with a strictly
+    lower triangular matrix, not a cumulative sum: over few, long rows inductor writes a cumulative sum as a split
+    scan, into which torch <= 2.12 cannot fuse index arithmetic for a GPU (compiling Sinkhorn training at
+    1 x 32,768 tokens failed with "list indices must be integers or slices, not NoneType"). The rows are buckets:
+    the routing scores hold n x n numbers per head already."""
+    n = x.shape[-2]
+    return routing_matmul(torch.ones(n, n, device=x.device).tril(-1), x)
+
+
+def running_sums(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """Inclusive prefix sums of x [..., L, d] along L (a multiple of bucket) in float32, without a cumulative sum
+    (see earlier_sums): inside each bucket a product with a lower triangular matrix, plus the earlier buckets'."""
+    *lead, length, d = x.shape
+    blocks = x.reshape(*lead, length // bucket, bucket, d).float()
+    inside = routing_matmul(torch.ones(bucket, bucket, device=x.device).tril(), blocks)
+    return (inside + earlier_sums(blocks.sum(-2))[..., None, :]).reshape(*lead, length, d)
+
+
 def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked per-bucket sums in float32. x: [b, h, L, d], mask: [b, L] -> sums [b, h, n, d], counts [b, n]."""
     b, h, length, d = x.shape

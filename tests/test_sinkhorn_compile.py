@@ -101,6 +101,39 @@ def test_operators_per_training_step_do_not_grow_with_batch_or_length(name):
     assert counts[0] == counts[1] == counts[2]
 
 
+@pytest.mark.parametrize("name", [*CONFIGS, "causal-running-summary"])
+def test_training_step_runs_no_cumulative_sum(name):
+    # inductor writes a cumulative sum over few long rows as a split scan, which torch <= 2.12 cannot generate for a
+    # GPU with index arithmetic fused in: compiled Sinkhorn training at 1 x 32,768 tokens failed on an H200. The
+    # step's prefix sums are products (`earlier_sums`, `running_sums`), checked against a loop below.
+    if name == "causal-running-summary":
+        model = build("causal", causal_key_summary="running_mean_sum")
+    else:
+        model = build(name)
+    kwargs = batch(model)
+    # (given positions: those from the mask are a cumulative sum over tokens, with nothing fused that fails: the
+    # step at 1 x 32,768 with padding generates for a GPU, `benchmarks/count_kernels.py --device cuda`)
+    kwargs["position_ids"] = torch.arange(kwargs["input_ids"].shape[1]).expand_as(kwargs["input_ids"])
+    counts = count_dispatched_ops(training_step(model, kwargs))
+    assert counts["aten.mm"] + counts["aten.addmm"] + counts["aten.bmm"] > 0  # the step really ran
+    assert counts["aten.cumsum"] == 0
+
+
+def test_prefix_sums_as_products_equal_a_loop():
+    from longrange.sinkhorn_routing import earlier_sums, running_sums
+
+    x = torch.randn(2, 3, 12, 5, dtype=torch.float64).to(torch.bfloat16)  # bf16 in, float32 out
+    exact = x.double()
+    earlier = torch.stack([exact[:, :, :i].sum(2) for i in range(12)], dim=2)
+    running = torch.stack([exact[:, :, : i + 1].sum(2) for i in range(12)], dim=2)
+    assert earlier_sums(x).dtype == running_sums(x, 4).dtype == torch.float32
+    torch.testing.assert_close(earlier_sums(x).double(), earlier, rtol=1e-6, atol=1e-6)
+    for bucket in (1, 3, 4, 12):
+        torch.testing.assert_close(running_sums(x, bucket).double(), running, rtol=1e-6, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 whatever autocast says
+        torch.testing.assert_close(earlier_sums(x).double(), earlier, rtol=1e-6, atol=1e-6)
+
+
 # ---- torch.compile ------------------------------------------------------------------------------------------
 
 
