@@ -32,7 +32,7 @@ def routing_einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
 def earlier_sums(x: torch.Tensor) -> torch.Tensor:
     """x [..., n, d] -> [..., n, d] in float32: row i holds the sum of the rows before it. A product with a strictly
     lower triangular matrix, not a cumulative sum: over few, long rows inductor writes a cumulative sum as a split
-    scan, into which torch <= 2.12 cannot fuse index arithmetic for a GPU (compiling Sinkhorn training at
+    scan, into which torch 2.11 (not 2.13) cannot fuse index arithmetic for a GPU (compiling Sinkhorn training at
     1 x 32,768 tokens failed with "list indices must be integers or slices, not NoneType"). The rows are buckets:
     the routing scores hold n x n numbers per head already."""
     n = x.shape[-2]

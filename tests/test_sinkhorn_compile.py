@@ -103,9 +103,9 @@ def test_operators_per_training_step_do_not_grow_with_batch_or_length(name):
 
 @pytest.mark.parametrize("name", [*CONFIGS, "causal-running-summary"])
 def test_training_step_runs_no_cumulative_sum(name):
-    # inductor writes a cumulative sum over few long rows as a split scan, which torch <= 2.12 cannot generate for a
-    # GPU with index arithmetic fused in: compiled Sinkhorn training at 1 x 32,768 tokens failed on an H200. The
-    # step's prefix sums are products (`earlier_sums`, `running_sums`), checked against a loop below.
+    # inductor writes a cumulative sum over few long rows as a split scan, which torch 2.11 (not 2.13) cannot
+    # generate for a GPU with index arithmetic fused in: compiled Sinkhorn training at 1 x 32,768 tokens failed on
+    # an H200. The step's prefix sums are products (`earlier_sums`, `running_sums`), checked against a loop below.
     if name == "causal-running-summary":
         model = build("causal", causal_key_summary="running_mean_sum")
     else:
