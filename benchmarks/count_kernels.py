@@ -265,7 +265,7 @@ def count_training(model: str, precision: str, batch: int, length: int, quick: b
             **launches(sources), **work(sources, kernels, precision)}  # fmt: skip
 
 
-def count_decoding(model: str, context: int, quick: bool = False) -> dict:
+def count_decoding(model: str, context: int, quick: bool = False, device: str = "cpu") -> dict:
     """In this process: the launches of each decoding step generate() compiles (benchmark_decoding.py's compiled
     row: bf16 weights, batch 1, a prompt of `context` tokens), one entry per graph in the order compiled. A
     Sinkhorn model compiles two steps: one that routes (the first, and where a row's token leads a bucket) and
@@ -280,12 +280,27 @@ def count_decoding(model: str, context: int, quick: bool = False) -> dict:
     size = benchmark_decoding.sizes(quick)
     net = benchmark_decoding.build(row, size).to(torch.bfloat16)
     prompt = torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(1))
-    kwargs = benchmark_decoding.generate_kwargs(row, torch.device("cpu"), "inductor")
-    sources, kernels = _generated_code(lambda: net.generate(prompt, max_new_tokens=4, **kwargs))
+    if device == "cuda":  # dynamo's graphs captured on the CPU, then generated for the device
+        import fake_cuda
+
+        graphs = []
+        kwargs = benchmark_decoding.generate_kwargs(row, torch.device("cpu"), fake_cuda.capturing(graphs))
+        net.generate(prompt, max_new_tokens=4, **kwargs)
+        sources, kernels = _generated_code(lambda: fake_cuda.compile_for_cuda(graphs, None, inference=True), "cuda")
+    else:
+        kwargs = benchmark_decoding.generate_kwargs(row, torch.device("cpu"), "inductor")
+        sources, kernels = _generated_code(lambda: net.generate(prompt, max_new_tokens=4, **kwargs))
     if not sources:
         raise RuntimeError(f"{model}: generate() compiled nothing")
     steps = [{**launches([code]), **work([code], kernels, "bf16")} for code in sources]
-    return {"model": model, "decoding": True, "context": context, "graphs": len(sources), "steps": steps}
+    return {
+        "model": model,
+        "decoding": True,
+        "context": context,
+        "device": device,
+        "graphs": len(sources),
+        "steps": steps,
+    }
 
 
 def _report(r: dict) -> None:
@@ -317,10 +332,8 @@ def main(argv=None) -> list[dict]:
         from longrange.layers import FeedForward
 
         FeedForward.block_elements = 1 << 62  # one pass as on a GPU (the CPU splits long inputs into row blocks)
-        if args.decode is not None and args.device == "cuda":
-            raise SystemExit("--device cuda counts training steps only")
         if args.decode is not None:
-            row = count_decoding(args.worker, args.decode, args.quick)
+            row = count_decoding(args.worker, args.decode, args.quick, args.device)
         else:
             row = count_training(args.worker, args.precision, args.batch, args.length, args.quick, args.device)
         print(json.dumps(row))

@@ -125,9 +125,9 @@ def _inner_compile_on_cuda(gm, example_inputs, **kwargs):
         return compile_fx_inner(gm, inputs, **kwargs)
 
 
-def compile_for_cuda(graphs: list, autocast_dtype: torch.dtype | None) -> None:
+def compile_for_cuda(graphs: list, autocast_dtype: torch.dtype | None, inference: bool = False) -> None:
     """inductor's CUDA code for each captured graph (forward and backward): see the module. autocast_dtype: the
-    autocast the step ran its forward under (None: none)."""
+    autocast the step ran its forward under (None: none); inference: the graphs ran without gradients (generate())."""
     from torch._inductor.compile_fx import compile_fx
 
     pretend_h200()
@@ -139,6 +139,6 @@ def compile_for_cuda(graphs: list, autocast_dtype: torch.dtype | None) -> None:
             ):
                 node.target = _cuda_attention
         gm.recompile()
-        context = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with context:
+        autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with autocast, torch.no_grad() if inference else contextlib.nullcontext():
             compile_fx(gm, inputs, inner_compile=_inner_compile_on_cuda)

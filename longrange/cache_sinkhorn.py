@@ -171,7 +171,9 @@ class RoutingState:
         g, sums = self.group, self.tensors["k_sum"]
         buckets = torch.arange(sums.shape[2], device=sums.device)
         start = buckets * g.bucket_size - g.offset
-        counts = (torch.minimum(seen[:, None], start + g.bucket_size) - start.clamp_min(0)).clamp_min(0)  # [b, nb]
+        # (`where`, not start.clamp_min(0): inductor in torch 2.11 folds a clamp of index arithmetic into a sympy Max
+        # that its CUDA code generation cannot compare once the null buckets are concatenated in front)
+        counts = (torch.minimum(seen[:, None], start + g.bucket_size) - torch.where(start > 0, start, 0)).clamp_min(0)
         if g.skip_first:  # the short first bucket is not summed
             counts = counts * (buckets > 0)
         sk = sums if g.running_key_summary else sums / counts.clamp_min(1)[:, None, :, None]
