@@ -1,0 +1,58 @@
+"""The code inductor writes for a GPU, generated without one (`benchmarks/count_kernels.py --device cuda`,
+`benchmarks/fake_cuda.py`): compiled training and decoding steps of both models and of transformers' Llama must
+generate for an H200. Runs where torch is a CUDA build and triton is installed (CI's `cuda-codegen` environment:
+the device's torch 2.11 on a machine without a GPU); elsewhere skipped.
+
+Each case failed on the code before its fix, with torch 2.11 (the device's): Sinkhorn training with 257 buckets
+(the device run's "list indices must be integers or slices, not NoneType": a split scan of the routing summaries)
+and every Sinkhorn decoding step ("The argument '16*((-2))' is not comparable": a clamp of index arithmetic)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch (no GPU)"),
+]
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "count_kernels.py"
+
+
+def count(tmp_path, *args) -> list[dict]:
+    spec = importlib.util.spec_from_file_location("count_kernels", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(["--device", "cuda", "--quick", "--json", str(tmp_path / "k.json"), *args])
+
+
+def assert_generated_for_cuda(step: dict) -> None:
+    """Launches were written, and attention is CUDA's kernel (flash or memory-efficient), not the CPU's."""
+    assert step["launches"] > 0 and sum(step["triton"].values()) > 0
+    attention = [name for name in step["aten_fallbacks"] if "scaled_dot_product" in name]
+    assert attention and all("for_cpu" not in name for name in attention), step["aten_fallbacks"]
+
+
+@pytest.mark.parametrize(
+    "model, shape",
+    [("sinkhorn", (1, 4096)), ("sinkhorn", (2, 64)), ("compressive", (2, 64)), ("llama", (2, 64))],
+)
+def test_training_step_generates_for_a_gpu(tmp_path, model, shape):
+    # Sinkhorn at 1 x 4,096 with 16-token buckets: 257 buckets in the causal pair, as at 1 x 32,768 on the device
+    (row,) = count(tmp_path, "--models", model, "--batch", str(shape[0]), "--length", str(shape[1]))
+    assert row["device"] == "cuda" and row["graphs"] == 2  # forward and backward
+    assert_generated_for_cuda(row)
+
+
+@pytest.mark.parametrize("model", ["sinkhorn", "compressive", "llama"])
+def test_decoding_steps_generate_for_a_gpu(tmp_path, model):
+    (row,) = count(tmp_path, "--models", model, "--decode", "64")
+    assert row["device"] == "cuda" and row["graphs"] >= 1
+    for step in row["steps"]:
+        assert_generated_for_cuda(step)
+    if model == "sinkhorn":  # a step that routes, and one that keeps its window (fewer launches)
+        assert row["graphs"] == 2 and row["steps"][1]["launches"] < row["steps"][0]["launches"]
