@@ -493,8 +493,9 @@ def _check_context(config, encoder_hidden_states, cache) -> None:
 def _check_length_and_mask(config, attention_mask, batch: int, length: int, filled: SinkhornCache | None):
     """Refuses sequences longer than the position table; the padding mask of the new tokens (generate() passes
     the mask of the whole sequence so far) as bool, or None. `filled`: the cache being stepped."""
-    # tokens given before (host count; unknown after compiled steps, which check nothing here)
-    past = None if torch.compiler.is_compiling() else (filled.host_seq_length if filled is not None else 0)
+    # tokens given before: none without a filled cache (also when compiled: the length is known while tracing), else
+    # the cache's host count (unknown inside compiled decoding steps, which check nothing here)
+    past = 0 if filled is None else None if torch.compiler.is_compiling() else filled.host_seq_length
     limit = config.max_position_embeddings
     if past is not None and past + length > limit:
         raise ValueError(f"SinkhornModel: sequence length {past + length} exceeds max_position_embeddings ({limit})")

@@ -147,6 +147,20 @@ def test_training_forward_is_one_graph(name):
     torch._dynamo.reset()
 
 
+def test_compiled_forward_refuses_a_sequence_longer_than_the_position_table():
+    # (the length is known while tracing; the check used to be skipped whenever compiling, and a compiled forward
+    # of 100 tokens with a 64-position table indexed its bucket positions out of range without a word)
+    model = build("causal")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="eager")
+        with pytest.raises(ValueError, match=r"sequence length 100 exceeds max_position_embeddings \(64\)"):
+            compiled(input_ids=torch.zeros(1, 100, dtype=torch.long))
+        assert compiled(input_ids=torch.zeros(1, 64, dtype=torch.long)).logits.shape == (1, 64, 40)
+    finally:
+        torch._dynamo.reset()
+
+
 def loss_and_grads(model, kwargs, run=None):
     """Loss and parameter gradients of one step of `run` (default: the model itself; a compiled wrapper of it)."""
     model.zero_grad()
