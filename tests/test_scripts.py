@@ -156,11 +156,13 @@ def test_finetune_accumulation_and_processes_equal_one_big_batch(tmp_path, play_
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     # the two processes run `longrange finetune` from a script that then reports whether the process group is still
-    # open: left open, a gloo group can abort the process as the interpreter shuts down (pytorch#190489)
+    # open: left open, a gloo group can abort the process as the interpreter shuts down (pytorch#190489). Each rank
+    # writes its own file (two ranks printing to one pipe can interleave their lines).
     wrapper = tmp_path / "finetune_then_report.py"
     wrapper.write_text(
-        "import sys, torch.distributed\nfrom longrange.commands import main\nmain(['finetune', *sys.argv[1:]])\n"
-        "print('process group open after finetune:', torch.distributed.is_initialized())\n"
+        "import os, sys, torch.distributed\nfrom longrange.commands import main\nmain(['finetune', *sys.argv[1:]])\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'group-' + os.environ['RANK']), 'w')"
+        ".write(str(torch.distributed.is_initialized()))\n"
     )
     commands = {
         "big": [sys.executable, "-m", "longrange", "finetune", *common, "--per_device_train_batch_size", "4"],
@@ -174,7 +176,7 @@ def test_finetune_accumulation_and_processes_equal_one_big_batch(tmp_path, play_
         run = subprocess.run([*command, "--output_dir", str(out)], env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         if name == "two_processes":  # both ranks closed it
-            assert run.stdout.count("process group open after finetune: False") == 2, run.stdout[-2000:]
+            assert [(tmp_path / f"group-{rank}").read_text() for rank in (0, 1)] == ["False", "False"]
         history = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
         runs[name] = (load_file(out / "model.safetensors"), [e for e in history if "loss" in e])
     base = load_file(tmp_path / "base" / "model.safetensors")
