@@ -107,22 +107,31 @@ def _to_cuda(value):
 
 
 def _inner_compile_on_cuda(gm, example_inputs, **kwargs):
-    """inductor's compilation of one partitioned graph, moved to fake CUDA tensors."""
+    """inductor's compilation of one partitioned graph, moved to fake CUDA tensors: every value the trace recorded
+    (`meta["val"]`) becomes a CUDA fake tensor of the same shape, strides and offset, so that inductor keeps the
+    layouts aot_autograd chose."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def on_cuda(value):
+        if isinstance(value, torch.Tensor):
+            extent = value.storage_offset() + sum((n - 1) * s for n, s in zip(value.shape, value.stride())) + 1
+            with mode:
+                base = torch.empty(extent if value.numel() else 0, dtype=value.dtype, device="cuda")
+                return base.as_strided(value.shape, value.stride(), value.storage_offset() if value.numel() else 0)
+        if isinstance(value, (list, tuple)):
+            return type(value)(on_cuda(v) for v in value)
+        return value
 
     for node in gm.graph.nodes:
         node.args, node.kwargs = _to_cuda(node.args), _to_cuda(dict(node.kwargs))
+        if "val" in node.meta:
+            node.meta["val"] = on_cuda(node.meta["val"])
     gm.recompile()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        inputs = [
-            torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda") if isinstance(x, torch.Tensor) else x
-            for x in example_inputs
-        ]
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-        return compile_fx_inner(gm, inputs, **kwargs)
+        return compile_fx_inner(gm, [on_cuda(x) for x in example_inputs], **kwargs)
 
 
 def compile_for_cuda(graphs: list, autocast_dtype: torch.dtype | None, inference: bool = False) -> None:

@@ -10,6 +10,9 @@ and every Sinkhorn decoding step ("The argument '16*((-2))' is not comparable": 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,25 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch (no GPU)"),
 ]
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "count_kernels.py"
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "count_kernels.py"
+CONFIGS = ["causal", "causal-local-unweighted", "causal-extras", "causal-context", "causal-reversible", "masked",
+           "sortcut", "gumbel-sinkhorn", "masked-context-sortcut"]  # tests/test_sinkhorn_compile.py's  # fmt: skip
+
+# one tiny Sinkhorn model of tests/test_sinkhorn_compile.py: its training step traced on the CPU, then generated for
+# the fake H200 (in a process of its own: fake_cuda tells torch a GPU is present)
+CONFIG_STEP = """
+import json, sys
+sys.path[:0] = [sys.argv[1] + "/benchmarks", sys.argv[1]]
+import count_kernels, fake_cuda
+from tests.test_sinkhorn_compile import batch, build, training_step
+model = build(sys.argv[2], **json.loads(sys.argv[3]))
+graphs = []
+model.compile(backend=fake_cuda.capturing(graphs))
+training_step(model, batch(model, length=int(sys.argv[4])))()
+sources, _ = count_kernels._generated_code(lambda: fake_cuda.compile_for_cuda(graphs, None), "cuda")
+print(json.dumps({"graphs": len(graphs), **count_kernels.launches(sources)}))
+"""
 
 
 def count(tmp_path, *args) -> list[dict]:
@@ -56,3 +77,18 @@ def test_decoding_steps_generate_for_a_gpu(tmp_path, model):
         assert_generated_for_cuda(step)
     if model == "sinkhorn":  # a step that routes, and one that keeps its window (fewer launches)
         assert row["graphs"] == 2 and row["steps"][1]["launches"] < row["steps"][0]["launches"]
+
+
+@pytest.mark.parametrize("name", [*CONFIGS, "causal-running-summary"])
+def test_every_sinkhorn_configuration_generates_its_training_step_for_a_gpu(name):
+    # 1,000 tokens in buckets of 8: 125 buckets, scans and reductions over few long rows
+    overrides = {"max_position_embeddings": 1000}
+    if name == "causal-running-summary":
+        overrides["causal_key_summary"] = "running_mean_sum"
+    config = "causal" if name == "causal-running-summary" else name
+    args = [sys.executable, "-c", CONFIG_STEP, str(REPO), config, json.dumps(overrides), "1000"]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["graphs"] >= 1 and row["launches"] > 0
+    assert_generated_for_cuda(row)
