@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_sinkhorn_compile import CONFIGS
+
 pytest.importorskip("triton")
 pytestmark = [
     pytest.mark.slow,
@@ -25,8 +27,6 @@ pytestmark = [
 ]
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "count_kernels.py"
-CONFIGS = ["causal", "causal-local-unweighted", "causal-extras", "causal-context", "causal-reversible", "masked",
-           "sortcut", "gumbel-sinkhorn", "masked-context-sortcut"]  # tests/test_sinkhorn_compile.py's  # fmt: skip
 
 # one tiny Sinkhorn model of tests/test_sinkhorn_compile.py: its training step traced on the CPU, then generated for
 # the fake H200 (in a process of its own: fake_cuda tells torch a GPU is present)
