@@ -554,7 +554,7 @@ class _SinkhornLanguageModel(SinkhornPreTrainedModel):
     def __init__(self, config: SinkhornConfig):
         super().__init__(config)
         if config.causal != self._needs_causal:
-            other = "SinkhornForMaskedLM" if config.causal else "SinkhornForCausalLM"
+            other = "SinkhornForCausalLM" if config.causal else "SinkhornForMaskedLM"
             raise ValueError(
                 f"{type(self).__name__} needs causal={self._needs_causal} (use {other} for causal={config.causal})"
             )

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, EncoderDecoderConfig, EncoderDecoderModel
 
@@ -126,3 +127,12 @@ def test_trust_remote_code_loads_from_a_fresh_folder_without_the_package(tmp_pat
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
+
+
+def test_a_language_model_class_of_the_wrong_direction_names_the_right_one():
+    for causal, wrong, right in ((False, SinkhornForCausalLM, "SinkhornForMaskedLM"), (True, SinkhornForMaskedLM,
+                                                                                         "SinkhornForCausalLM")):
+        config = SinkhornConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                bucket_size=4, max_position_embeddings=16, causal=causal)  # fmt: skip
+        with pytest.raises(ValueError, match=f"needs causal={not causal} \\(use {right} for causal={causal}\\)"):
+            wrong(config)
