@@ -130,8 +130,10 @@ def test_trust_remote_code_loads_from_a_fresh_folder_without_the_package(tmp_pat
 
 
 def test_a_language_model_class_of_the_wrong_direction_names_the_right_one():
-    for causal, wrong, right in ((False, SinkhornForCausalLM, "SinkhornForMaskedLM"), (True, SinkhornForMaskedLM,
-                                                                                         "SinkhornForCausalLM")):
+    for causal, wrong, right in (
+        (False, SinkhornForCausalLM, "SinkhornForMaskedLM"),
+        (True, SinkhornForMaskedLM, "SinkhornForCausalLM"),
+    ):
         config = SinkhornConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                 bucket_size=4, max_position_embeddings=16, causal=causal)  # fmt: skip
         with pytest.raises(ValueError, match=f"needs causal={not causal} \\(use {right} for causal={causal}\\)"):
