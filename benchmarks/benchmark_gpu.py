@@ -18,7 +18,8 @@ whose builders and training steps are reused here, so both sides get the same co
   every (batch, length) above.
 Each in `tf32` (fp32 weights, TF32 matrix products; `fp32` on the CPU) and `bf16` (fp32 weights, forward under
 `torch.autocast(bfloat16)`, backward outside it), `eager` and `compiled` (`model.compile()`, inductor by default);
-Sinkhorn and Llama in bf16 at 8 x 2,048 also `graphs` (`model.compile(mode="reduce-overhead")`: CUDA graphs replay
+ours and Llama also `regional` (Accelerate's regional compilation, static shapes, as `longrange train --compile`:
+each decoder layer compiled alone, one graph for all of them); Sinkhorn and Llama in bf16 at 8 x 2,048 also `graphs` (`model.compile(mode="reduce-overhead")`: CUDA graphs replay
 each compiled step, no kernel launched from the host; on the CPU the same as compiled).
 
 Method: all rows run in this process, one after the other (eager rows first, then compiled rows in priority
@@ -50,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -98,7 +99,7 @@ class Row:
     family: str  # compressive | sinkhorn | llama
     side: str  # ours | reference | llama | by_segment (Compressive: ours trained one segment at a time)
     precision: str  # tf32 | bf16
-    mode: str  # eager | compiled | graphs (compiled with CUDA graphs: mode="reduce-overhead")
+    mode: str  # eager | compiled | regional (each decoder layer compiled alone) | graphs (mode="reduce-overhead")
     batch: int
     length: int
 
@@ -107,7 +108,7 @@ class Row:
         return f"{self.family}/{self.side}/{self.precision}/{self.mode}/{self.batch}x{self.length}"
 
 
-MODES = ("eager", "compiled", "graphs")
+MODES = ("eager", "compiled", "regional", "graphs")
 
 
 def plan(size: dict) -> list[Row]:
@@ -135,7 +136,11 @@ def plan(size: dict) -> list[Row]:
     graphs = [
         Row(family, side, "bf16", "graphs", *first) for family, side in (("sinkhorn", "ours"), ("llama", "llama"))
     ]
-    compiled = sorted(by_mode["compiled"] + graphs, key=lambda row: (*priority(row), row.mode == "graphs"))
+    # regional compilation (what `longrange train --compile` does) beside each whole-model compiled row of ours and
+    # Llama: its first step against the whole model's, and whether its steps are as fast
+    regional = [replace(row, mode="regional") for row in by_mode["compiled"] if row.side in ("ours", "llama")]
+    order = {"compiled": 0, "regional": 1, "graphs": 2}
+    compiled = sorted(by_mode["compiled"] + regional + graphs, key=lambda row: (*priority(row), order[row.mode]))
     return by_mode["eager"] + compiled
 
 
@@ -187,7 +192,7 @@ def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict 
         ours, reference = benchmark_compressive.build(compressive_args(size), sides=(side,))
         model = (reference if row.side == "reference" else ours).to(device)
         if compile_kwargs is not None:  # the reference's wrapper loops over segments in Python: compile its network
-            (model.net if row.side == "reference" else model).compile(**compile_kwargs)
+            compile_in_place(model.net if row.side == "reference" else model, row, compile_kwargs)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         inputs = ids[:, : row.length]
         if row.side == "ours":
@@ -225,8 +230,8 @@ def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict 
             return model(input_ids=inputs, labels=inputs).loss
 
     model.to(device)
-    if compile_kwargs is not None:
-        model.compile(**compile_kwargs)  # in place: `model(...)`, and so `forward` above, runs the compiled module
+    if compile_kwargs is not None:  # in place: `model(...)`, and so `forward` above, runs the compiled module
+        compile_in_place(model, row, compile_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
@@ -239,6 +244,19 @@ def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict 
         optimizer.zero_grad(set_to_none=True)
 
     return model, step
+
+
+def compile_in_place(model, row: Row, compile_kwargs: dict) -> None:
+    """The row's compilation: the whole model as one graph ("compiled", "graphs"), or Accelerate's regional
+    compilation ("regional", as `longrange train --compile` asks for it): each block of a list of same-class blocks
+    (the decoder layers) compiled alone, so that one graph serves them all, and every other leaf module alone
+    (Accelerate's in-place variant, the one it applies under DeepSpeed)."""
+    if row.mode == "regional":
+        from accelerate.utils.other import compile_regions_deepspeed
+
+        compile_regions_deepspeed(model, **compile_kwargs)
+    else:
+        model.compile(**compile_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -592,7 +610,8 @@ def main(argv=None) -> dict:
         torch.backends.cudnn.allow_tf32 = True
     compiled = {"backend": args.compile_backend, "fullgraph": args.fullgraph}
     graphs = {**compiled, "mode": "reduce-overhead"} if args.compile_backend == "inductor" else compiled  # (CUDA)
-    compile_kwargs = {"compiled": compiled, "graphs": graphs}
+    # regional: static shapes, as `longrange train --compile` (longrange.commands.train_run.dynamo_plugin)
+    compile_kwargs = {"compiled": compiled, "regional": {**compiled, "dynamic": False}, "graphs": graphs}
 
     size = sizes(args.quick)
     rows = [r for r in plan(size) if args.compiled or r.mode == "eager"]

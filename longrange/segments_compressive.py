@@ -192,7 +192,10 @@ class SegmentRunner:
         runs, start = [], 0
         while start < seq_len:
             end = min(seq_len, start + self.config.segment_length - cache.layers[0].pending.shape[1])
-            runs.append(self._run_chunk(hidden_states[:, start:end], valid[:, start:end], cache, tables))
+            # (contiguous: the first layer then gets the layout the others get, one compiled graph for all of them
+            # under regional compilation, not a second one for the strided slice)
+            chunk = hidden_states[:, start:end].contiguous()
+            runs.append(self._run_chunk(chunk, valid[:, start:end], cache, tables))
             start = end
         return LayerRun.concatenate(runs)
 

@@ -79,8 +79,20 @@ def test_ratios_pair_rows_of_the_same_precision_mode_and_shape():
     )
     compared = bench.ratios(results)
     eager = compared["sinkhorn/ours/tf32/eager/8x2048"]
-    assert eager["speed_vs_reference"] == {"eager": 1.5, "compiled": None, "graphs": None, "best": 3.0}  # 600 / 200
-    assert eager["speed_vs_llama"] == {"eager": 0.75, "compiled": 0.5, "graphs": None, "best": 0.5}  # 600 / 1200
+    assert eager["speed_vs_reference"] == {
+        "eager": 1.5,
+        "compiled": None,
+        "regional": None,
+        "graphs": None,
+        "best": 3.0,
+    }  # 600 / 200
+    assert eager["speed_vs_llama"] == {
+        "eager": 0.75,
+        "compiled": 0.5,
+        "regional": None,
+        "graphs": None,
+        "best": 0.5,
+    }  # 600 / 1200
     assert eager["memory_vs_reference"] == 0.5
     assert compared["sinkhorn/ours/bf16/eager/8x2048"]["speed_vs_llama"]["best"] is None  # no bf16 Llama row
 
@@ -103,13 +115,18 @@ def test_ratios_pair_rows_of_the_same_precision_mode_and_shape():
     assert met["compressive by segment tf32 8x2048 speed_vs_reference >= 1.3"] is False
 
 
-def test_plan_puts_the_cuda_graph_rows_right_after_their_compiled_rows_and_ratios_count_them():
+def test_plan_puts_the_regional_and_cuda_graph_rows_after_their_compiled_rows_and_ratios_count_them():
     bench = _load()
     ids = [row.id for row in bench.plan(bench.sizes(False))]
     graphs = [i for i in ids if "/graphs/" in i]
     assert graphs == ["sinkhorn/ours/bf16/graphs/8x2048", "llama/llama/bf16/graphs/8x2048"]
     compiled = [i for i in ids if "/bf16/compiled/8x2048" in i and "reference" not in i and "by_segment" not in i]
-    assert ids.index(graphs[0]) == ids.index(compiled[-1]) + 1  # after every first-shape bf16 compiled row of ours
+    regional = [i.replace("/compiled/", "/regional/") for i in compiled]
+    # a regional twin for every compiled row of ours and Llama (never for the references), then the graphs rows
+    assert sorted(i for i in ids if "/regional/" in i) == sorted(
+        i.replace("/compiled/", "/regional/") for i in ids if "/compiled/" in i and i.split("/")[1] in ("ours", "llama")
+    )
+    assert ids[ids.index(compiled[-1]) + 1 : ids.index(graphs[0])] == regional
     row = bench.Row("sinkhorn", "ours", "bf16", "eager", 8, 2048)
     results = {
         r.id: {"row": r.__dict__, "tokens_per_s": rate}
@@ -123,6 +140,7 @@ def test_plan_puts_the_cuda_graph_rows_right_after_their_compiled_rows_and_ratio
     assert bench.ratios(results)[row.id]["speed_vs_llama"] == {
         "eager": 0.5,
         "compiled": None,
+        "regional": None,
         "graphs": 0.8,
         "best": 0.8,
     }

@@ -253,19 +253,55 @@ def test_learning_rate_decay_is_transformers_cosine_with_min_lr(warmup, total, f
 
 
 @pytest.mark.slow  # inductor compiles forward and backward on the CPU: minutes on 2 busy cores
-def test_compiled_training_matches_eager_training(tmp_path, play_file):
-    # the Compressive model: streaming, its memory carried from step to step through the compiled forward
-    model = "compressive"
+@pytest.mark.parametrize(
+    "model,compile_args",
+    [("compressive", ["--compile"]), ("sinkhorn", ["--compile"]), ("compressive", ["--compile", "model"])],
+)
+def test_compiled_training_matches_eager_training(tmp_path, play_file, model, compile_args):
+    # regional (the default: each layer compiled alone) and whole-model compilation; the Compressive model streams,
+    # its memory carried from step to step through the compiled layers (several memory lengths: several graphs)
     from torch._dynamo.utils import counters
 
     common = ["--max_steps", "2", "--save_every", "0", "--batch_size", "2"]
     run(tmp_path / "eager", play_file, *common, model=model)
     torch._dynamo.reset()
     counters.clear()
-    run(tmp_path / "compiled", play_file, *common, "--compile", model=model)
+    run(tmp_path / "compiled", play_file, *common, *compile_args, model=model)
     assert counters["stats"]["unique_graphs"] >= 1  # the training step really went through torch.compile
     torch._dynamo.reset()
     a, b = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
     assert a.keys() == b.keys()  # saved from the uncompiled module: no `_orig_mod.` prefixes
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("model", ["compressive", "sinkhorn"])
+def test_compile_option_compiles_each_layer_or_the_whole_model(model):
+    # what `--compile` hands Accelerate, followed through its prepare() (torch.compile is lazy: nothing compiles
+    # here; the slow test above trains through both)
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
+    from longrange.commands.train import SMALL_CONFIGS, parse_args
+    from longrange.commands.train_run import dynamo_plugin
+
+    assert parse_args(["--compile"]).compile == "regional" and parse_args([]).compile is None
+    assert parse_args(["--compile", "model"]).compile == "model"
+    config_class, model_class = {
+        "compressive": (CompressiveConfig, CompressiveForCausalLM),
+        "sinkhorn": (SinkhornConfig, SinkhornForCausalLM),
+    }[model]
+    config = config_class(**{**SMALL_CONFIGS[model], **parse_args(["--model", model, "--config", *TINY[model]]).config})
+    for mode in ("regional", "model"):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        net = model_class(config)
+        prepared = Accelerator(cpu=True, dynamo_plugin=dynamo_plugin(mode)).prepare(net)
+        layers = prepared.model.layers if mode == "regional" else prepared._orig_mod.model.layers
+        compiled = [isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) for layer in layers]
+        assert compiled == [mode == "regional"] * config.num_hidden_layers, mode
+        assert (mode == "model") == isinstance(prepared, torch._dynamo.eval_frame.OptimizedModule)
+        assert Accelerator().unwrap_model(prepared, keep_torch_compile=False) is net
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -123,9 +123,14 @@ def add_optimisation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is present")
     g.add_argument(
         "--compile",
-        action="store_true",
-        help="train the model compiled with torch.compile (inductor, graph breaks allowed): Accelerate's "
-        "TorchDynamoPlugin, as `accelerate launch --dynamo_backend inductor`; evaluation and samples run uncompiled",
+        nargs="?",
+        const="regional",
+        choices=["regional", "model"],
+        default=None,
+        help="train compiled with torch.compile (inductor, graph breaks allowed) through Accelerate's "
+        "TorchDynamoPlugin. `--compile` (= regional): Accelerate's regional compilation, each decoder layer compiled "
+        "alone, one graph serving every layer (first step several times shorter); `--compile model`: the whole "
+        "model as one graph, as `accelerate launch --dynamo_backend inductor`. Evaluation and samples run uncompiled",
     )
     g.add_argument(
         "--num_threads",
