@@ -22,6 +22,11 @@
 #    rows beside the compiled ones, about 60 s a row (merge the rows into docs/benchmarks/gpu.json by hand):
 #        BENCH_BUDGET=240 BENCH_ROWS='^(sinkhorn/ours|llama/llama)/bf16/(compiled|graphs)/8x2048' \
 #            bash benchmarks/device_run.sh bench
+# 5. Regional compilation (`longrange train --compile`'s default: each decoder layer compiled alone) against the
+#    whole model, first step and step time, rows `regional` beside `compiled` (on the CPU 2-5x shorter compiles,
+#    steps as fast; docs/benchmarks.md):
+#        BENCH_BUDGET=240 BENCH_ROWS='^(sinkhorn/ours|llama/llama|compressive/ours)/bf16/(compiled|regional)/8x2048' \
+#            bash benchmarks/device_run.sh bench
 # Results go to $OUT (bench.json with the decoding rows merged in, decode.json, bench.log, decode.log, train.log;
 # they come back: copy bench.json to docs/benchmarks/gpu.json here).
 set -uo pipefail

@@ -99,6 +99,16 @@ class LayerRun:
         return LayerRun(outputs, hidden, attentions, losses)
 
 
+def _own_layout(hidden_states: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Tokens start..end of [batch, seq, hidden] with the strides of a tensor of their own, as the layers' outputs have
+    (a copy, also of a slice `contiguous()` would pass through: with batch 1 a slice is contiguous, yet its batch
+    stride is the whole sequence's): under regional compilation the first layer then reuses the graph of the others
+    instead of compiling one more for a layout that differs in a stride alone."""
+    if (start, end) == (0, hidden_states.shape[1]) and hidden_states.is_contiguous():
+        return hidden_states
+    return hidden_states[:, start:end].clone(memory_format=torch.contiguous_format)
+
+
 class SegmentRunner:
     """Runs one call's layer-0 inputs through the model's decoder layers against `cache` (see the module)."""
 
@@ -192,10 +202,7 @@ class SegmentRunner:
         runs, start = [], 0
         while start < seq_len:
             end = min(seq_len, start + self.config.segment_length - cache.layers[0].pending.shape[1])
-            # (contiguous: the first layer then gets the layout the others get, one compiled graph for all of them
-            # under regional compilation, not a second one for the strided slice)
-            chunk = hidden_states[:, start:end].contiguous()
-            runs.append(self._run_chunk(chunk, valid[:, start:end], cache, tables))
+            runs.append(self._run_chunk(_own_layout(hidden_states, start, end), valid[:, start:end], cache, tables))
             start = end
         return LayerRun.concatenate(runs)
 
