@@ -238,7 +238,8 @@ def decoding_work(model, prompt, kwargs: dict, device: torch.device, steps: int 
     """The work of one decoding step: two profiled generate() calls, one new token (the prompt's forward alone) and
     1 + `steps`, and their difference per step: on CUDA the kernels' device time per token (against the per-token
     time: how much of it the device is busy; kernels replayed inside a CUDA graph may not be reported, then the
-    sum is near 0) and the costliest kernels; on the CPU the aten operators."""
+    sum is near 0) and the costliest kernels; on the CPU the aten operators. Eager rows on CUDA also list the
+    sites where a generate() call of 1 + `steps` tokens waits for the device (`benchmark_gpu.sync_sites`)."""
     from torch.profiler import ProfilerActivity, profile
 
     gpu = _sibling("benchmark_gpu")
@@ -255,7 +256,13 @@ def decoding_work(model, prompt, kwargs: dict, device: torch.device, steps: int 
         if calls > before[0] and spent > before[1]:  # (same calls in both: the prompt's work, timing noise)
             per_step[name] = [(calls - before[0]) / steps, (spent - before[1]) / steps]
     busy, top = gpu.ranked_work(per_step)
-    return {"steps": steps, "busy_s_per_token": busy, "top_work_per_token": top}
+    work = {"steps": steps, "busy_s_per_token": busy, "top_work_per_token": top}
+    if device.type == "cuda" and kwargs.get("disable_compile"):
+        # eager: where the host waits for the device (generate()'s own read of each new token included)
+        work["sync_sites"] = gpu.sync_sites(
+            lambda: model.generate(prompt, max_new_tokens=1 + steps, min_new_tokens=1 + steps, **kwargs)
+        )
+    return work
 
 
 def sync(device: torch.device) -> None:

@@ -373,8 +373,8 @@ def put_along(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch
     if not 1 <= dim < buffer.dim():
         raise ValueError(f"put_along: dim must be between 1 and {buffer.dim() - 1}, got {dim}")
     if not torch.compiler.is_compiling():
-        view = (slice(None),) + (None,) * (dim - 1) + (slice(None),) + (None,) * (buffer.dim() - dim - 1)
-        index = index[view].expand(values.shape)
+        shape = (index.shape[0],) + (1,) * (dim - 1) + (index.shape[1],) + (1,) * (buffer.dim() - dim - 1)
+        index = index.reshape(shape).expand(values.shape)  # (one view: unit dims only)
         buffer.scatter_add_(dim, index, values) if accumulate else buffer.scatter_(dim, index, values)
         return
     shape = [1] * (dim + 1)  # indices broadcast to [batch, buffer.shape[1], .., buffer.shape[dim - 1], n]

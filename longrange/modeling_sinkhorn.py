@@ -3,7 +3,8 @@
 Reading order: this file holds the outputs, the PreTrainedModel, SinkhornModel (embed -> layers -> norm) and the
 language models. Its pieces live below it: `sinkhorn_layer.py` (the layer and its pre-norm blocks),
 `sinkhorn_attention.py` (self / cross attention built from head groups), `sinkhorn_heads.py` (the head groups:
-local, Sinkhorn, causal Sinkhorn), `sinkhorn_routing.py` (the sort net's routing math), `reversible.py` (the
+local, Sinkhorn, causal Sinkhorn), `sinkhorn_routing.py` (the sort net's routing math, and `BucketMask`: the
+padding mask with what the groups derive from it, computed once for all layers), `reversible.py` (the
 two-stream stack), `cache_sinkhorn.py` (the generation cache, `SinkhornCache`) and `sinkhorn_steps.py` (new tokens
 on a filled cache outside the one-token step).
 
@@ -54,7 +55,7 @@ from .reversible import ReversibleSequence
 from .sinkhorn_attention import attention_implementation, unsupported_attention
 from .sinkhorn_heads import CausalSinkhornHeads, LocalHeads, SinkhornHeads
 from .sinkhorn_layer import AxialPositionEmbedding, SinkhornLayer, build_layers, tied_norm_sources
-from .sinkhorn_routing import bucket_sums  # noqa: F401  (see the note above)
+from .sinkhorn_routing import BucketMask
 from .sinkhorn_steps import position_ids as position_ids_of
 from .sinkhorn_steps import step_with_attentions, tokens_one_at_a_time
 
@@ -351,7 +352,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
         hidden, padded_mask, back = self._enter_buckets(hidden, mask, attention_mask is not None, cache, stepping)
 
         looks = [{} if output_attentions else None for _ in range(config.num_hidden_layers)]
-        shared = dict(attention_mask=padded_mask, context=context, context_mask=context_mask)
+        # the padding mask and what the head groups derive from it, computed once for all layers
+        shared = dict(attention_mask=BucketMask(padded_mask), context=context, context_mask=context_mask)
         hidden, all_hidden = self._run_layers(hidden, shared, cache, looks, length, back, output_hidden_states)
         hidden = self._final(permute_tokens(hidden[:, :length], back))  # [b, L, emb] in the given order
 

@@ -16,9 +16,12 @@ from torch import nn
 
 from .layers import attend
 from .sinkhorn_routing import (
+    BucketMask,
+    CausalTerms,
+    SortTerms,
     additive,
     attend_buckets,
-    batch_head_index,
+    bucket_mask,
     bucket_sums,
     earlier_sums,
     pick_buckets,
@@ -28,6 +31,7 @@ from .sinkhorn_routing import (
     running_sums,
     select_buckets,
     token_weights,
+    weighted_sums,
 )
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -44,28 +48,18 @@ class LocalHeads(nn.Module):
         self.dropout, self.implementation = dropout, implementation
 
     def forward(self, q, k, v, mask, record=None, attn_weights=None):
-        """q, k, v: [b, h, L, d]; mask: [b, L] real tokens. Nothing to record for the cache: a step reads the
-        window straight from the cached keys/values. `attn_weights`: a dict that receives the dense attention
-        map (output_attentions; see `SinkhornSelfAttention.forward`, sinkhorn_attention.py)."""
+        """q, k, v: [b, h, L, d]; mask: [b, L] real tokens (or the model's BucketMask). Nothing to record for the
+        cache: a step reads the window straight from the cached keys/values. `attn_weights`: a dict that receives
+        the dense attention map (output_attentions; see `SinkhornSelfAttention.forward`, sinkhorn_attention.py)."""
         b, h, length, d = q.shape
         size = self.bucket_size
         n = length // size
         bq, bk, bv = (t.reshape(b, h, n, size, d) for t in (q, k, v))  # [b, h, n, B, d]
-        bm = mask.view(b, 1, n, size)
-        shifts = (1, 0) if self.causal else (1, 0, -1)
+        shifts = self._shifts()
         keys = torch.cat([prev_bucket(bk, 2, s, 0.0) if s else bk for s in shifts], dim=3)  # [b, h, n, kB, d]
         values = torch.cat([prev_bucket(bv, 2, s, 0.0) if s else bv for s in shifts], dim=3)
-        key_mask = torch.cat([prev_bucket(bm, 2, s, False) if s else bm for s in shifts], dim=3)  # [b,1,n,kB]
-        attn_mask = key_mask[:, :, :, None, :]  # [b, 1, n, 1, kB]
-        if self.causal:
-            own = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-            pattern = torch.cat([torch.ones(size, size, dtype=torch.bool, device=q.device), own], dim=1)
-            attn_mask = attn_mask & pattern  # [b, 1, n, B, 2B]
-        # every query sees itself (its own window is the second of `shifts`), padded queries too: no row is fully
-        # masked, so an additive mask is enough and the gradient of a padded query's output (which a shifted
-        # language-model label can read) is that of an ordinary softmax in every attention implementation
-        itself = F.pad(torch.eye(size, dtype=torch.bool, device=q.device), (size, size * (len(shifts) - 2)))
-        bias = additive(attn_mask | itself, q.dtype)  # [b, 1, n, B, kB]
+        key = ("local", size, self.causal, q.dtype)
+        bias = bucket_mask(mask).terms(key, lambda m: self._bias(m, q.dtype))  # [b, 1, n, B, kB]
         if attn_weights is not None:
             out, probs = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias, True)
             pos = torch.arange(length, device=q.device).view(1, 1, n, size)
@@ -74,6 +68,28 @@ class LocalHeads(nn.Module):
             return out.reshape(b, h, length, d)
         out = attend_buckets(bq, keys, values, None, self._p(), self.implementation, bias=bias)
         return out.reshape(b, h, length, d)
+
+    def _shifts(self) -> tuple[int, ...]:
+        """The key windows of query window u, as shifts: u - 1 and u (and u + 1 when non-causal)."""
+        return (1, 0) if self.causal else (1, 0, -1)
+
+    def _bias(self, mask, dtype) -> torch.Tensor:
+        """The additive mask [b, 1, n, B, kB] of every query window over its key windows, from the padding mask
+        [b, L] alone (the same in every layer: see BucketMask)."""
+        size, shifts = self.bucket_size, self._shifts()
+        b, n = mask.shape[0], mask.shape[1] // size
+        bm = mask.view(b, 1, n, size)
+        key_mask = torch.cat([prev_bucket(bm, 2, s, False) if s else bm for s in shifts], dim=3)  # [b,1,n,kB]
+        attn_mask = key_mask[:, :, :, None, :]  # [b, 1, n, 1, kB]
+        if self.causal:
+            own = torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()
+            pattern = torch.cat([torch.ones(size, size, dtype=torch.bool, device=mask.device), own], dim=1)
+            attn_mask = attn_mask & pattern  # [b, 1, n, B, 2B]
+        # every query sees itself (its own window is the second of `shifts`), padded queries too: no row is fully
+        # masked, so an additive mask is enough and the gradient of a padded query's output (which a shifted
+        # language-model label can read) is that of an ordinary softmax in every attention implementation
+        itself = F.pad(torch.eye(size, dtype=torch.bool, device=mask.device), (size, size * (len(shifts) - 2)))
+        return additive(attn_mask | itself, dtype)
 
     def _p(self) -> float:
         return self.dropout if self.training else 0.0
@@ -141,23 +157,21 @@ class SinkhornHeads(nn.Module):
 
         Steps: bucket summaries; the sort net's scores; the routing choice and gathering the chosen buckets (each
         query bucket's own, or SortCut's one choice shared by all); the own bucket; attention."""
-        k_mask = q_mask if k_mask is None else k_mask
         b, h, lq, d = q.shape
         nq, nk = lq // self.bucket_size, k.shape[2] // self.kv_bucket_size
         bq = q.reshape(b, h, nq, self.bucket_size, d)
         bk = k.reshape(b, h, nk, self.kv_bucket_size, d)
         bv = v.reshape(b, h, nk, self.kv_bucket_size, d)
-        bkm = k_mask.view(b, nk, self.kv_bucket_size)
-        q_sums, q_counts = bucket_sums(q, q_mask, self.bucket_size)  # [b, h, nq, d], [b, nq]
-        k_sums, k_counts = bucket_sums(k, k_mask, self.kv_bucket_size)
-        own = torch.arange(nq, device=q.device)
-        scores, valid, n_sel = self._scores(q_sums, q_counts, k_sums, k_counts, own)  # [b, h, 1 or nq, nk]
+        terms = SortTerms.of(self, q_mask, k_mask, h)  # self-attention: once per forward (see BucketMask)
+        q_sums = weighted_sums(q, terms.q_weights)  # [b, h, nq, d]
+        k_sums = weighted_sums(k, terms.k_weights)
+        scores, n_sel = self._scores(q_sums, k_sums, terms)  # [b, h, 1 or nq, nk]
         parts = _KeyParts()
-        k_pos = torch.arange(nk * self.kv_bucket_size, device=q.device).view(nk, self.kv_bucket_size)
+        bkm = terms.k_mask
         if n_sel > 0:
             idx, picked_valid, scale = select_buckets(
                 scores,
-                valid,
+                terms.valid,
                 n_sel,
                 self.temperature,
                 self.sinkhorn_iter,
@@ -165,27 +179,34 @@ class SinkhornHeads(nn.Module):
                 self.weight_routed_values,
                 self.sequential_weights,
             )  # [b, h, 1 or nq, n_sel]
-            self._add_chosen(parts, (bk, bv, bkm), idx, picked_valid, scale, own, k_pos, nq, attn_weights)
+            self._add_chosen(parts, (bk, bv, bkm), idx, picked_valid, scale, terms, nq, attn_weights)
         if self.include_own:
             parts.add(bk, bv, bkm[:, None].expand(b, h, nq, -1))
             if attn_weights is not None:
-                parts.place(k_pos.expand(b, h, nq, -1), torch.ones(b, h, nq, self.kv_bucket_size, device=q.device))
+                ones = torch.ones(b, h, nq, self.kv_bucket_size, device=q.device)
+                parts.place(terms.k_pos.expand(b, h, nq, -1), ones)
         out = self._attend(bq, parts, attn_weights, k.shape[2])
         return out.reshape(b, h, lq, d)
 
-    def _scores(self, q_sums, q_counts, k_sums, k_counts, own):
-        """The sort net -> scores [b, h, 1 or nq, nk] (float32), which key buckets may be chosen, how many are.
+    def excludes_own(self) -> bool:
+        """Whether a query bucket's own key bucket is no routing choice: it is attended anyway (self-attention),
+        unless route_own_bucket."""
+        return self.include_own and not self.route_own_bucket
+
+    def _scores(self, q_sums, k_sums, terms: SortTerms):
+        """The sort net -> scores [b, h, 1 or nq, nk] (float32) and how many key buckets are chosen (which may be:
+        `terms.valid`).
 
         SortCut: one summary of all queries scores the key buckets (one row). Otherwise per query bucket: the
         attention sort net (mean query . mean key / sqrt(d)) or the simple one (relu(W [sum q; sum k]) scores key
         positions directly); Sinkhorn balancing leaves query buckets of padding alone out; a bucket's own key
         bucket is no choice when it is attended anyway (unless route_own_bucket)."""
         d, nk = q_sums.shape[-1], k_sums.shape[2]
-        k_valid = (k_counts > 0)[:, None, None, :]  # [b, 1, 1, nk]
+        q_counts, k_counts = terms.q_counts, terms.k_counts
         if self.n_sortcut > 0:
             summary = q_sums.sum(2, keepdim=True) / q_counts.sum(1).clamp_min(1)[:, None, None, None]
             scores = routing_matmul(summary, (k_sums / k_counts.clamp_min(1)[:, None, :, None]).transpose(-1, -2))
-            return scores * d**-0.5, k_valid, min(self.n_sortcut, nk)
+            return scores * d**-0.5, min(self.n_sortcut, nk)
         if self.sort_net is not None:
             feats = torch.cat([q_sums, k_sums], dim=-1)  # [b, h, n, 2d] (self-attention: nq == nk)
             scores = F.relu(routing_einsum("bhne,hem->bhnm", feats, self.sort_net))[..., :nk]
@@ -195,22 +216,16 @@ class SinkhornHeads(nn.Module):
             sq = q_sums / q_counts.clamp_min(1)[:, None, :, None]
             sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
             scores = routing_matmul(sq, sk.transpose(-1, -2)) * d**-0.5  # [b, h, nq, nk]
-        valid = k_valid
-        if self.sinkhorn_iter is not None:  # balancing: query buckets of padding alone take no part
-            valid = valid & (q_counts > 0)[:, None, :, None]
-        exclude_own = self.include_own and not self.route_own_bucket
-        if exclude_own:
-            valid = valid & (own[:, None] != torch.arange(nk, device=own.device))[None, None]
-        return scores, valid, min(self.n_top, nk - 1 if exclude_own else nk)
+        return scores, min(self.n_top, nk - 1 if self.excludes_own() else nk)
 
-    def _add_chosen(self, parts, bucketed, idx, picked_valid, scale, own, k_pos, nq: int, attn_weights) -> None:
+    def _add_chosen(self, parts, bucketed, idx, picked_valid, scale, terms: SortTerms, nq: int, attn_weights) -> None:
         """The chosen key buckets (`bucketed`: keys, values [b, h, nk, Bk, d], mask [b, nk, Bk]; idx [b, h, 1 or nq,
         n_sel]) as every query bucket's keys; values (and keys with weight_routed_keys) times the routing weight or
         its straight-through scale. output_attentions: their columns and factors, and the routing."""
         bk, bv, bkm = bucketed
         b, h, rows, n_sel = idx.shape  # rows: 1 with SortCut (shared by every query bucket), else nq
         d = bk.shape[-1]
-        bi, hi = batch_head_index(b, h, 4, idx.device)
+        bi, hi = terms.index
         routed_k = bk[bi, hi, idx]  # [b, h, 1 or nq, n_sel, Bk, d]
         routed_v = bv[bi, hi, idx]
         if scale is not None:
@@ -220,7 +235,7 @@ class SinkhornHeads(nn.Module):
         routed_m = bkm[bi, idx] & picked_valid[..., None]  # [b, h, 1 or nq, n_sel, Bk]
         if self.n_sortcut > 0 and self.include_own and not self.route_own_bucket:
             # a query bucket already attends its own bucket: drop it from the shared choice
-            routed_m = routed_m & (idx[..., None] != own[None, None, :, None, None])
+            routed_m = routed_m & (idx[..., None] != terms.own[None, None, :, None, None])
         parts.add(
             routed_k.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d),
             routed_v.reshape(b, h, rows, -1, d).expand(b, h, nq, -1, d),
@@ -230,7 +245,7 @@ class SinkhornHeads(nn.Module):
             return
         weight = torch.ones_like(idx, dtype=torch.float32) if scale is None else scale.float()
         factor = weight[..., None].expand(*idx.shape, self.kv_bucket_size).reshape(b, h, rows, -1)
-        parts.place(k_pos[idx].reshape(b, h, rows, -1).expand(b, h, nq, -1), factor.expand(b, h, nq, -1))
+        parts.place(terms.k_pos[idx].reshape(b, h, rows, -1).expand(b, h, nq, -1), factor.expand(b, h, nq, -1))
         # the routing: each query bucket's chosen key buckets (-1 where a pick is masked out) and weights
         shown = routed_m.any(-1).expand(b, h, nq, n_sel)
         attn_weights["route"] = idx.expand(b, h, nq, n_sel).masked_fill(~shown, -1)
@@ -402,7 +417,8 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         if off:
             # shift by one: the first bucket holds a virtual token plus tokens 0 .. size-2
             q, k, v = (F.pad(t, (0, 0, off, size - off)) for t in (q, k, v))
-            mask = F.pad(mask, (off, size - off), value=False)
+            pad = (off, size - off)
+            mask = bucket_mask(mask).terms(("shifted", pad), lambda m: BucketMask(F.pad(m, pad, value=False)))
         null = None if self.cross else (self.null_keys[None], self.null_values[None])
         out = self.bucketed(q, k, v, mask, k_mask, record, null, attn_weights)
         if record is not None:
@@ -422,48 +438,45 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         causal); what the generation cache keeps."""
         b, h, lq, d = q.shape
         bq = q.reshape(b, h, lq // self.bucket_size, self.bucket_size, d)  # [b, h, n, B, d]
-        counted, q_sums, sq = self._query_summaries(q, bq, mask)
-        bank = self._bank(sq, k, v, mask, k_mask, counted, null)
+        terms = CausalTerms.of(self, mask, q.dtype)  # the same in every layer (see BucketMask)
+        q_sums, sq = self._query_summaries(q, bq, terms)
+        bank = self._bank(sq, k, v, terms, k_mask, null)
         idx, picked_valid, scale = self._select(bank.scores, bank.valid, bank.n_sel)  # [b, h, n, n_sel]
-        routed = self._gather_chosen(bank, idx, picked_valid, scale)  # keys, values, mask [b, h, n, n_sel * B(, d)]
+        routed = self._gather_chosen(
+            bank, idx, picked_valid, scale, terms
+        )  # keys, values, mask [b, h, n, n_sel * B(, d)]
         placed = None
         if attn_weights is not None:
             placed = self._routed_columns(bank, idx, picked_valid, scale, lq, attn_weights)
-        out = self._attend(bq, routed, bank, mask, placed, attn_weights, k.shape[2])
+        out = self._attend(bq, routed, bank, terms, placed, attn_weights, k.shape[2])
         if record is not None:
-            self._record(record, q_sums, counted, idx, picked_valid, scale, bank, k)
+            self._record(record, q_sums, terms.counted, idx, picked_valid, scale, bank, k)
         return out.reshape(b, h, lq, d)
 
-    def _query_summaries(self, q, bq, mask):
-        """-> the tokens that enter the routing summaries [b, L] (skip_first: not the short first bucket of shifted
-        heads), the per-bucket query sums [b, h, n, d] and, per bucket, the mean of the queries up to its leading
-        token (inclusive) [b, h, n, d]: what the bucket's routing may depend on."""
-        size = self.bucket_size
-        b, n = bq.shape[0], bq.shape[2]
-        counted = F.pad(mask[:, size:], (size, 0), value=False) if self.skip_first else mask
-        q_sums, q_counts = bucket_sums(q, counted, size)  # [b, h, n, d], [b, n]
-        lead_real = counted.view(b, n, size)[..., 0]  # [b, n]
-        lead_q = bq[:, :, :, 0].float() * lead_real[:, None, :, None]  # leading tokens [b, h, n, d]
-        lead_sum = earlier_sums(q_sums) + lead_q  # queries summed up to each leading token (inclusive)
-        lead_count = earlier_sums(q_counts[..., None])[..., 0] + lead_real
-        return counted, q_sums, lead_sum / lead_count.clamp_min(1)[:, None, :, None]
+    def _query_summaries(self, q, bq, terms: CausalTerms):
+        """-> the per-bucket query sums [b, h, n, d] of the counted tokens and, per bucket, the mean of the queries
+        up to its leading token (inclusive) [b, h, n, d]: what the bucket's routing may depend on."""
+        q_sums = weighted_sums(q, terms.weights)  # [b, h, n, d]
+        lead_q = bq[:, :, :, 0].float() * terms.lead_real[:, None, :, None]  # leading tokens [b, h, n, d]
+        lead_sum = earlier_sums(q_sums, terms.before) + lead_q  # queries summed up to each leading token (inclusive)
+        return q_sums, lead_sum / terms.lead_count[:, None, :, None]
 
-    def _bank(self, sq, k, v, mask, k_mask, counted, null) -> _Bank:
+    def _bank(self, sq, k, v, terms: CausalTerms, k_mask, null) -> _Bank:
         """Self-attention: the candidates are the null buckets (the learned key in every slot, all but slot 0
         masked unless null_copies), then the strictly earlier, non-empty key buckets."""
         size, n_null = self.bucket_size, self.n_top
         b, h, length, d = k.shape
         n = length // size
         bk, bv = k.reshape(b, h, n, size, d), v.reshape(b, h, n, size, d)
-        k_sums, k_counts = bucket_sums(k, counted, size)
+        k_sums = weighted_sums(k, terms.weights)
         if self.running_key_summary:
             # each key bucket: the sum over its tokens of the running mean of all keys so far
-            c = counted.to(torch.float32)[:, None, :, None]  # [b, 1, L, 1]
-            running = running_sums(k.float() * c, size) / running_sums(c, size).clamp_min(1)
+            c = terms.weights.view(b, 1, length, 1)
+            running = running_sums(k.float() * c, size, terms.within, terms.before) / terms.running_counts
             k_sums = (running * c).view(b, h, n, size, d).sum(3)  # [b, h, n, d]
             sk = k_sums
         else:
-            sk = k_sums / k_counts.clamp_min(1)[:, None, :, None]
+            sk = k_sums / terms.counts.clamp_min(1)[:, None, :, None]
         null_keys, null_values = null
         if self.zero_null_score:
             null_scores = sq.new_zeros(b, h, n, n_null)
@@ -471,36 +484,29 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         else:  # the null keys and the key summaries scored in one product
             summaries = torch.cat([null_keys.expand(b, -1, -1, -1).to(sk.dtype), sk], dim=2)  # [b, h, n_null + n, d]
             scores = routing_matmul(sq, summaries.transpose(-1, -2)) * d**-0.5
-        earlier = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)  # key bucket j < query bucket u
-        real_valid = earlier[None, None] & (k_counts > 0)[:, None, None, :]
-        valid = torch.cat([torch.ones(b, 1, n, n_null, dtype=torch.bool, device=k.device), real_valid], dim=-1)
-        if self.skip_first:  # the short first bucket attends no chosen bucket
-            valid = valid & (torch.arange(n, device=k.device) > 0)[None, None, :, None]
         null_k = null_keys[:, :, :, None].expand(-1, -1, -1, size, -1).to(k.dtype).expand(b, -1, -1, -1, -1)
         null_v = null_values[:, :, :, None].expand(-1, -1, -1, size, -1).to(v.dtype).expand(b, -1, -1, -1, -1)
-        null_m = (torch.arange(size, device=k.device) < (size if self.null_copies else 1)).expand(b, n_null, size)
         return _Bank(
             scores=scores,
-            valid=valid,
+            valid=terms.valid,
             n_sel=n_null,
             keys=torch.cat([null_k, bk], dim=2),  # [b, h, n_null + n, B, d]
             values=torch.cat([null_v, bv], dim=2),
-            mask=torch.cat([null_m, mask.view(b, n, size)], dim=1),  # [b, n_null + n, B]
+            mask=terms.bank_mask,  # [b, n_null + n, B]
             k_sums=k_sums,
         )
 
-    def _gather_chosen(self, bank: _Bank, idx, picked_valid, scale):
+    def _gather_chosen(self, bank: _Bank, idx, picked_valid, scale, terms: CausalTerms):
         """The chosen buckets' keys, values [b, h, n, n_sel * B, d] (values, and keys with weight_routed_keys,
         times the routing weight or its straight-through scale; self-attention: the own bucket after them, picked in
         the same copy: [b, h, n, (n_sel + 1) * B, d]), the chosen buckets' key mask [b, h, n, n_sel * B] and, with
         routing_gradient="attention", the straight-through log-scale for the attention logits (else None)."""
         b, h, n, _ = idx.shape
         d = bank.keys.shape[-1]
-        bi, hi = batch_head_index(b, h, 4, idx.device)
+        bi, hi = terms.index
         picks = idx
         if not self.cross:  # the own bucket u is bank bucket n_null + u
-            own = (bank.n_sel + torch.arange(n, device=idx.device))[:, None].expand(b, h, n, 1)
-            picks = torch.cat([idx, own], dim=-1)
+            picks = torch.cat([idx, terms.own[:, None].expand(b, h, n, 1)], dim=-1)
         routed_k = bank.keys[bi, hi, picks]  # [b, h, n, n_sel (+ 1), B, d]
         routed_v = bank.values[bi, hi, picks]
         log_scale = None
@@ -541,12 +547,10 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
             ]
         )  # [n_null + n, B]
 
-    def _attend(self, bq, routed, bank: _Bank, mask, placed, attn_weights, key_length: int):
+    def _attend(self, bq, routed, bank: _Bank, terms: CausalTerms, placed, attn_weights, key_length: int):
         """Self-attention over the chosen buckets and the own bucket up to each query -> [b, h, n, B, d]."""
         keys, values, routed_m, log_scale = routed  # keys, values [b, h, n, (n_sel + 1) B, d]: the own bucket last
         b, h, n, size, _ = bq.shape
-        causal = torch.ones(size, size, dtype=torch.bool, device=bq.device).tril()
-        own_m = mask.view(b, 1, n, 1, size) & causal  # [b, 1, n, B, B]
         # every row sees at least one key (each pick is a valid null or non-empty bucket), so the mask is
         # built additive from its two small pieces: one pass over the full [b, h, n, B, K] tensor
         routed_bias = additive(routed_m, bq.dtype)
@@ -555,7 +559,7 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         bias = torch.cat(
             [
                 routed_bias[:, :, :, None, :].expand(b, h, n, size, -1),
-                additive(own_m, bq.dtype).expand(b, h, n, size, size),
+                terms.own_bias.expand(b, h, n, size, size),
             ],
             dim=-1,
         )
@@ -603,7 +607,7 @@ class CausalContextHeads(CausalSinkhornHeads):
         super().__init__(num_heads, head_dim, bucket_size, n_top, 0, temperature, dropout, implementation, **routing)
         self.kv_bucket_size = kv_bucket_size
 
-    def _bank(self, sq, k, v, mask, k_mask, counted, null) -> _Bank:
+    def _bank(self, sq, k, v, terms, k_mask, null) -> _Bank:
         """Cross-attention: the context buckets are the candidates, any non-empty one may be chosen."""
         b, h, _, d = k.shape
         kv_size = self.kv_bucket_size
@@ -620,7 +624,7 @@ class CausalContextHeads(CausalSinkhornHeads):
             mask=k_mask.view(b, nk, kv_size),
         )
 
-    def _attend(self, bq, routed, bank, mask, placed, attn_weights, key_length: int):
+    def _attend(self, bq, routed, bank, terms, placed, attn_weights, key_length: int):
         """Cross-attention over the chosen context buckets -> [b, h, n, B, d]. A row may see no context at all (a
         fully padded context): a bool mask, which gives such rows zeros."""
         routed_k, routed_v, routed_m, _ = routed  # (routing_gradient applies to self-attention)
@@ -686,7 +690,9 @@ def causal_pair(
     def stack(t):  # [b, 2h, L, d] -> [2b, h, L + size, d]
         return torch.cat([F.pad(part, (0, 0, *pad)) for part, pad in zip(t.split(h, dim=1), pads)])
 
-    masks = torch.cat([F.pad(mask, pad, value=False) for pad in pads])  # [2b, L + size]
+    masks = bucket_mask(mask).terms(  # [2b, L + size]
+        ("pair", pads), lambda m: BucketMask(torch.cat([F.pad(m, pad, value=False) for pad in pads]))
+    )
     null = tuple(
         torch.stack([getattr(plain, name), getattr(shifted, name)])[:, None]
         .expand(-1, b, -1, -1, -1)

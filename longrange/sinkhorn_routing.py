@@ -1,11 +1,15 @@
 """Routing and bucket helpers of the Sinkhorn model, below both the head groups (`sinkhorn_heads.py`) and the
-generation cache (`cache_sinkhorn.py`): bucket summaries and the routing choice (float32 whatever autocast says),
-picking whole buckets out of a cache bank, attention inside buckets and the dense maps of output_attentions.
+generation cache (`cache_sinkhorn.py`): what the groups derive from the padding mask (`BucketMask`, computed once
+per forward for every layer: `CausalTerms`, `SortTerms`), bucket summaries and the routing choice (float32
+whatever autocast says), picking whole buckets out of a cache bank, attention inside buckets and the dense maps of
+output_attentions.
 
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -13,6 +17,143 @@ from .layers import attend, is_exporting
 
 NEG = -1e30  # routing score of a candidate that may not be chosen (float32 routing math)
 CAN_TELL_EXPORT = hasattr(torch.compiler, "is_exporting")  # torch >= 2.7
+
+
+class BucketMask:
+    """A padding mask [b, L] (bool, True = a real token; L whole buckets) and what the head groups derive from it
+    alone: bucket counts, which candidates may be chosen, additive masks, index tensors. The model hands the same
+    BucketMask to every layer, so each such term is computed once per forward, not once per layer (in eager steps
+    on a GPU, every operator is a launch from the host). A group asks `terms(key, compute)`; the key names what
+    `compute(mask)` depends on besides the mask. In a compiled graph nothing is kept: the compiler folds the terms
+    into the layer's kernels, and a kept term would make a regionally compiled layer's inputs differ between the
+    first layer and the others."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self._terms: dict = {}
+
+    def terms(self, key: tuple, compute):
+        if torch.compiler.is_compiling():
+            return compute(self.mask)
+        if key not in self._terms:
+            self._terms[key] = compute(self.mask)
+        return self._terms[key]
+
+
+def bucket_mask(mask) -> BucketMask:
+    """A head group's mask argument as a BucketMask: the model's (shared by its layers) or, for a plain [b, L]
+    tensor, one of its own."""
+    return mask if isinstance(mask, BucketMask) else BucketMask(mask)
+
+
+class CausalTerms(NamedTuple):
+    """What a causal head group derives from its padding mask [b, L] alone, the same in every layer: the tokens that
+    enter the routing summaries (counted [b, L]; skip_first: not the short first bucket of shifted heads), as
+    float32 weights [b, n, B] and counts [b, n]; each bucket's leading token (float [b, n]) and how many tokens its
+    query summary holds (at least 1); the matrix of `earlier_sums`; the batch and head index tensors of advanced
+    indexing. Self-attention also: which bank candidates each query bucket may choose (valid [b, 1, n, n_null +
+    n]), the bank's key mask [b, n_null + n, B], the own buckets' bank indices [n], the own bucket's additive causal
+    mask [b, 1, n, B, B] and, with running_key_summary, each token's count of keys so far (at least 1) [b, 1, L,
+    1] and the in-bucket matrix of `running_sums`."""
+
+    counted: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+    lead_real: torch.Tensor
+    lead_count: torch.Tensor
+    before: torch.Tensor
+    index: tuple[torch.Tensor, torch.Tensor]
+    valid: torch.Tensor | None = None
+    bank_mask: torch.Tensor | None = None
+    own: torch.Tensor | None = None
+    own_bias: torch.Tensor | None = None
+    running_counts: torch.Tensor | None = None
+    within: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, group, mask, dtype: torch.dtype) -> CausalTerms:
+        """The terms of a causal group (its bucket layout and options) for its already shifted mask (a BucketMask,
+        which keeps them for the other layers, or a [b, L] tensor) and attention in `dtype`."""
+        g = group
+        key = ("causal", g.cross, g.bucket_size, g.n_top, g.num_heads, g.skip_first, g.null_copies, dtype)
+        return bucket_mask(mask).terms(key + (g.running_key_summary,), lambda m: cls._build(g, m, dtype))
+
+    @classmethod
+    def _build(cls, g, mask: torch.Tensor, dtype: torch.dtype) -> CausalTerms:
+        size, n_null = g.bucket_size, g.n_top
+        b, n = mask.shape[0], mask.shape[1] // size
+        counted = torch.nn.functional.pad(mask[:, size:], (size, 0), value=False) if g.skip_first else mask
+        weights = counted.view(b, n, size).to(torch.float32)
+        counts, lead_real = weights.sum(2), weights[..., 0]  # [b, n]
+        before = earlier_matrix(n, mask.device)
+        lead_count = (earlier_sums(counts[..., None], before)[..., 0] + lead_real).clamp_min(1)
+        common = (counted, weights, counts, lead_real, lead_count, before)
+        index = batch_head_index(b, g.num_heads, 4, mask.device)
+        if g.cross:  # the candidates come from the context (CausalContextHeads._bank)
+            return cls(*common, index)
+        real_valid = before.bool()[None, None] & (counts > 0)[:, None, None, :]  # key bucket j < query bucket u
+        valid = torch.cat([real_valid.new_ones(b, 1, n, n_null), real_valid], dim=-1)
+        bucket = torch.arange(n, device=mask.device)
+        if g.skip_first:  # the short first bucket attends no chosen bucket
+            valid = valid & (bucket > 0)[None, None, :, None]
+        slot = torch.arange(size, device=mask.device)
+        null_m = (slot < (size if g.null_copies else 1)).expand(b, n_null, size)  # null buckets: slot 0 (or all)
+        own_m = mask.view(b, 1, n, 1, size) & (slot[None, :] <= slot[:, None])  # causal inside the own bucket
+        running = within = None
+        if g.running_key_summary:
+            within = torch.ones(size, size, device=mask.device).tril()
+            running = running_sums(weights.view(b, 1, -1, 1), size, within, before).clamp_min(1)
+        bank_mask = torch.cat([null_m, mask.view(b, n, size)], dim=1)
+        own_bias = additive(own_m, dtype)
+        return cls(*common, index, valid, bank_mask, n_null + bucket, own_bias, running, within)
+
+
+class SortTerms(NamedTuple):
+    """What a non-causal head group derives from its padding masks alone: the float32 weights [b, n, B] and counts
+    [b, n] of the query and key buckets, the key mask [b, nk, Bk], which key buckets may be chosen (valid,
+    broadcastable to the scores), each query bucket's index [nq], each key slot's token [nk, Bk] and the batch and
+    head index tensors of advanced indexing."""
+
+    q_weights: torch.Tensor
+    q_counts: torch.Tensor
+    k_weights: torch.Tensor
+    k_counts: torch.Tensor
+    k_mask: torch.Tensor
+    valid: torch.Tensor
+    own: torch.Tensor
+    k_pos: torch.Tensor
+    index: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, group, q_mask, k_mask, heads: int) -> SortTerms:
+        """The terms of a non-causal group (its bucket layout and routing options) with `heads` heads, for the query
+        mask (a BucketMask or a [b, Lq] tensor) and the key mask [b, Lk] (None: self-attention, whose terms the
+        BucketMask keeps for the other layers)."""
+        g, masks = group, bucket_mask(q_mask)
+        if k_mask is not None:
+            return cls._build(g, masks.mask, k_mask, heads)
+        key = ("sinkhorn", g.bucket_size, heads, g.n_sortcut > 0, g.sinkhorn_iter is not None, g.excludes_own())
+        return masks.terms(key, lambda m: cls._build(g, m, m, heads))
+
+    @classmethod
+    def _build(cls, g, q_mask: torch.Tensor, k_mask: torch.Tensor, heads: int) -> SortTerms:
+        b, device = q_mask.shape[0], q_mask.device
+        nq, nk = q_mask.shape[1] // g.bucket_size, k_mask.shape[1] // g.kv_bucket_size
+        q_weights = q_mask.view(b, nq, g.bucket_size).to(torch.float32)
+        k_weights = q_weights if k_mask is q_mask else k_mask.view(b, nk, g.kv_bucket_size).to(torch.float32)
+        q_counts = q_weights.sum(2)
+        k_counts = q_counts if k_mask is q_mask else k_weights.sum(2)
+        valid = (k_counts > 0)[:, None, None, :]  # [b, 1, 1, nk]
+        own = torch.arange(nq, device=device)
+        if g.n_sortcut == 0 and g.sinkhorn_iter is not None:  # balancing: padding-only query buckets stay out
+            valid = valid & (q_counts > 0)[:, None, :, None]
+        if g.n_sortcut == 0 and g.excludes_own():
+            valid = valid & (own[:, None] != torch.arange(nk, device=device))[None, None]
+        k_pos = torch.arange(nk * g.kv_bucket_size, device=device).view(nk, g.kv_bucket_size)
+        bkm = k_mask.view(b, nk, g.kv_bucket_size)
+        return cls(
+            q_weights, q_counts, k_weights, k_counts, bkm, valid, own, k_pos, batch_head_index(b, heads, 4, device)
+        )
 
 
 def routing_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -29,34 +170,45 @@ def routing_einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
         return torch.einsum(equation, *(t.float() for t in operands))
 
 
-def earlier_sums(x: torch.Tensor) -> torch.Tensor:
+def earlier_sums(x: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., n, d] -> [..., n, d] in float32: row i holds the sum of the rows before it. A product with a strictly
-    lower triangular matrix, not a cumulative sum: over few, long rows inductor writes a cumulative sum as a split
-    scan, into which torch 2.11 (not 2.13) cannot fuse index arithmetic for a GPU (compiling Sinkhorn training at
-    1 x 32,768 tokens failed with "list indices must be integers or slices, not NoneType"). The rows are buckets:
-    the routing scores hold n x n numbers per head already."""
-    n = x.shape[-2]
-    return routing_matmul(torch.ones(n, n, device=x.device).tril(-1), x)
+    lower triangular matrix (`before`, [n, n] float32: `earlier_matrix(n)`, made here when not given), not a
+    cumulative sum: over few, long rows inductor writes a cumulative sum as a split scan, into which torch 2.11 (not
+    2.13) cannot fuse index arithmetic for a GPU (compiling Sinkhorn training at 1 x 32,768 tokens failed with "list
+    indices must be integers or slices, not NoneType"). The rows are buckets: the routing scores hold n x n numbers
+    per head already."""
+    return routing_matmul(earlier_matrix(x.shape[-2], x.device) if before is None else before, x)
 
 
-def running_sums(x: torch.Tensor, bucket: int) -> torch.Tensor:
+def earlier_matrix(n: int, device) -> torch.Tensor:
+    """[n, n] float32, 1 where column < row: `earlier_sums`' product."""
+    return torch.ones(n, n, device=device).tril(-1)
+
+
+def running_sums(x: torch.Tensor, bucket: int, within=None, before=None) -> torch.Tensor:
     """Inclusive prefix sums of x [..., L, d] along L (a multiple of bucket) in float32, without a cumulative sum
-    (see earlier_sums): inside each bucket a product with a lower triangular matrix, plus the earlier buckets'."""
+    (see earlier_sums): inside each bucket a product with a lower triangular matrix (`within`, [bucket, bucket]
+    float32, made here when not given), plus the earlier buckets' (`before`: see earlier_sums)."""
     *lead, length, d = x.shape
     blocks = x.reshape(*lead, length // bucket, bucket, d).float()
-    inside = routing_matmul(torch.ones(bucket, bucket, device=x.device).tril(), blocks)
-    return (inside + earlier_sums(blocks.sum(-2))[..., None, :]).reshape(*lead, length, d)
+    within = torch.ones(bucket, bucket, device=x.device).tril() if within is None else within
+    inside = routing_matmul(within, blocks)
+    return (inside + earlier_sums(blocks.sum(-2), before)[..., None, :]).reshape(*lead, length, d)
 
 
 def bucket_sums(x: torch.Tensor, mask: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked per-bucket sums in float32. x: [b, h, L, d], mask: [b, L] -> sums [b, h, n, d], counts [b, n]."""
-    b, h, length, d = x.shape
-    n = length // bucket
-    m = mask.view(b, n, bucket).to(torch.float32)
+    weights = mask.view(mask.shape[0], -1, bucket).to(torch.float32)
+    return weighted_sums(x, weights), weights.sum(2)
+
+
+def weighted_sums(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-bucket sums of x [b, h, L, d] weighted by weights [b, n, B] (float32; L = n * B) -> [b, h, n, d] float32."""
+    b, n, bucket = weights.shape
     # a product (bf16 inputs promote to float32) and a float32 sum: one fused reduction when compiled (a matmul or
     # einsum would copy x first)
-    sums = (x.view(b, h, n, bucket, d) * m[:, None, :, :, None]).sum(3, dtype=torch.float32)
-    return sums, m.sum(2)
+    blocks = x.view(b, x.shape[1], n, bucket, x.shape[-1])
+    return (blocks * weights[:, None, :, :, None]).sum(3, dtype=torch.float32)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

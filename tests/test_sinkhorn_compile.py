@@ -364,3 +364,45 @@ def test_paired_causal_heads_keep_cached_generation_exact():
     for prefill in (3, 17):  # the cache filled by the paired pass mid-bucket, then stepped across boundaries
         stepped = stepwise_logits(model, ids, mask, prefill=prefill)
         torch.testing.assert_close(stepped[mask.bool()], full[mask.bool()], rtol=1e-5, atol=1e-5)
+
+
+# ---- fewer launches: what the head groups derive from the padding mask, once per forward ---------------------------
+
+# (not aten.full: the local heads' zero blocks beside the keys and values of the first window are built per layer)
+CONSTANTS = ("aten.arange", "aten.ones", "aten.tril", "aten.eye", "aten.new_ones")
+
+
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("causal", {}),
+        ("causal-local-unweighted", {}),
+        ("causal", dict(num_attention_heads=3)),  # odd: ordinary and shifted heads in two passes
+        ("causal", dict(shifted_heads_skip_first_bucket=True, causal_key_summary="running_mean_sum")),
+        ("masked", {}),
+        ("sortcut", {}),
+        ("gumbel-sinkhorn", {}),
+    ],
+)
+def test_layers_after_the_first_derive_nothing_from_the_padding_mask(name, extra, monkeypatch):
+    """The model hands every layer one BucketMask: bucket counts, candidate masks, additive masks and index
+    tensors are computed by the first layer only. Measured against the same model computing them in every layer
+    (BucketMask keeping nothing): the same numbers, fewer operators, and no constant built after the first layer."""
+    from longrange.sinkhorn_routing import BucketMask
+
+    def forward_counts(layers):
+        model = build(name, hidden_size=24 if "num_attention_heads" in extra else 16, **extra, num_hidden_layers=layers)
+        kwargs = batch(model)
+        model.eval()  # (no dropout, no layer dropout: the same numbers in both runs)
+        counts = kernel_ops(count_dispatched_ops(lambda: model(**kwargs)))
+        return model(**kwargs).logits, counts
+
+    shared = {layers: forward_counts(layers) for layers in (2, 3)}
+    monkeypatch.setattr(BucketMask, "terms", lambda self, key, compute: compute(self.mask))
+    per_layer = {layers: forward_counts(layers) for layers in (2, 3)}
+    for layers in (2, 3):
+        torch.testing.assert_close(shared[layers][0], per_layer[layers][0], rtol=0, atol=0)
+    saved = [sum(per_layer[n][1].values()) - sum(shared[n][1].values()) for n in (2, 3)]
+    assert 0 < saved[0] < saved[1]  # every layer after the first saves its terms
+    built = [sum(shared[n][1][op] for op in CONSTANTS) for n in (2, 3)]
+    assert built[0] == built[1]
