@@ -27,6 +27,12 @@
 #    steps as fast; docs/benchmarks.md):
 #        BENCH_BUDGET=240 BENCH_ROWS='^(sinkhorn/ours|llama/llama|compressive/ours)/bf16/(compiled|regional)/8x2048' \
 #            bash benchmarks/device_run.sh bench
+# 6. The three Sinkhorn-against-Llama training targets compiled (0.8x at 2,048, 1x at 8,192, 1.5x at 32,768): ours
+#    regionally compiled (the shorter compile) and Llama whole-model compiled at every bf16 shape, about 200 s:
+#        BENCH_BUDGET=240 BENCH_ROWS='^(sinkhorn/ours/bf16/regional|llama/llama/bf16/compiled)/' \
+#            bash benchmarks/device_run.sh bench
+#    The default `bench` spends its budget on the eager rows and the first compiled ones (the 2026-12-04 run
+#    reached three compiled rows), so a session with one command to spare gets more from this one.
 # Results go to $OUT (bench.json with the decoding rows merged in, decode.json, bench.log, decode.log, train.log;
 # they come back: copy bench.json to docs/benchmarks/gpu.json here).
 set -uo pipefail
