@@ -75,6 +75,7 @@ def build(args, sides=("ours", "reference")):
             mem_len=args.mem,
             c_mem_len=args.c_mem,
             compression_rate=args.rate,
+            attn_implementation=getattr(args, "attn_implementation", None),  # (None: the default, sdpa)
         )
         ours = CompressiveForCausalLM(config)
     if "reference" in sides:

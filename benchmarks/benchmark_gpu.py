@@ -20,7 +20,10 @@ Each in `tf32` (fp32 weights, TF32 matrix products; `fp32` on the CPU) and `bf16
 `torch.autocast(bfloat16)`, backward outside it), `eager` and `compiled` (`model.compile()`, inductor by default);
 ours and Llama also `regional` (Accelerate's regional compilation, static shapes, as `longrange train --compile`:
 each decoder layer compiled alone, one graph for all of them); Sinkhorn and Llama in bf16 at 8 x 2,048 also `graphs` (`model.compile(mode="reduce-overhead")`: CUDA graphs replay
-each compiled step, no kernel launched from the host; on the CPU the same as compiled).
+each compiled step, no kernel launched from the host; on the CPU the same as compiled). In tf32, eager, both of our
+models also as `explicit` (`attn_implementation="eager"`: the attention's products are matrix products, which CUDA
+runs in TF32 like the references' einsums; sdpa's fused kernel for fp32 inputs on sm80+ emulates full fp32 with
+three TF32 products and ignores `allow_tf32`): whether that is why the tf32 rows trail the references.
 
 Method: all rows run in this process, one after the other (eager rows first, then compiled rows in priority
 order), each with a fresh model, AdamW and `torch._dynamo.reset()`. Per row: `--warmup` steps (the first of a
@@ -97,7 +100,10 @@ def sizes(quick: bool) -> dict:
 @dataclass(frozen=True)
 class Row:
     family: str  # compressive | sinkhorn | llama
-    side: str  # ours | reference | llama | by_segment (Compressive: ours trained one segment at a time)
+    # ours | reference | llama | by_segment (Compressive: ours trained one segment at a time) | explicit (ours with
+    # attn_implementation="eager": the attention as matrix products, which CUDA runs in TF32 when allowed, where
+    # sdpa's fused fp32 kernel emulates full fp32 precision with three TF32 products; tf32 eager rows only)
+    side: str
     precision: str  # tf32 | bf16
     mode: str  # eager | compiled | regional (each decoder layer compiled alone) | graphs (mode="reduce-overhead")
     batch: int
@@ -118,10 +124,12 @@ def plan(size: dict) -> list[Row]:
         rows = []
         for precision in ("bf16", "tf32"):
             b, n = size["compressive"]["shape"]
-            rows += [Row("compressive", side, precision, mode, b, n) for side in ("ours", "reference", "by_segment")]
+            explicit = ("explicit",) if (precision, mode) == ("tf32", "eager") else ()
+            sides = ("ours", "reference", "by_segment", *explicit)
+            rows += [Row("compressive", side, precision, mode, b, n) for side in sides]
             shapes = size["sinkhorn"]["shapes"][precision]
             for b, n in shapes:
-                rows += [Row("sinkhorn", side, precision, mode, b, n) for side in ("ours", "reference")]
+                rows += [Row("sinkhorn", side, precision, mode, b, n) for side in ("ours", "reference", *explicit)]
             # Llama at every shape of the others (the Compressive and the first Sinkhorn shape coincide)
             for b, n in dict.fromkeys([size["compressive"]["shape"], *shapes]):
                 rows.append(Row("llama", "llama", precision, mode, b, n))
@@ -153,12 +161,12 @@ def llama_intermediate(hidden: int) -> int:
     return max(64, round(8 * hidden / 3 / 64) * 64)
 
 
-def compressive_args(size: dict) -> argparse.Namespace:
+def compressive_args(size: dict, attn_implementation: str | None = None) -> argparse.Namespace:
     """`benchmark_compressive.build`'s arguments for these sizes."""
     width, c = size["width"], size["compressive"]
     return argparse.Namespace(
         hidden=width["hidden"], layers=width["layers"], heads=width["heads"], segment=c["segment"], mem=c["mem"],
-        c_mem=c["c_mem"], rate=c["rate"], reference_gru=False,
+        c_mem=c["c_mem"], rate=c["rate"], reference_gru=False, attn_implementation=attn_implementation,
     )  # fmt: skip
 
 
@@ -187,15 +195,16 @@ def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict 
             return torch.autocast(device.type, dtype=torch.bfloat16)
 
     ids = torch.randint(0, 256, (row.batch, row.length + 1), generator=torch.Generator().manual_seed(1)).to(device)
+    attention = "eager" if row.side == "explicit" else None  # (None: the models' default)
     if row.family == "compressive":
         side = "reference" if row.side == "reference" else "ours"
-        ours, reference = benchmark_compressive.build(compressive_args(size), sides=(side,))
+        ours, reference = benchmark_compressive.build(compressive_args(size, attention), sides=(side,))
         model = (reference if row.side == "reference" else ours).to(device)
         if compile_kwargs is not None:  # the reference's wrapper loops over segments in Python: compile its network
             compile_in_place(model.net if row.side == "reference" else model, row, compile_kwargs)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         inputs = ids[:, : row.length]
-        if row.side == "ours":
+        if row.side in ("ours", "explicit"):
 
             def step():
                 benchmark_compressive.train_step_ours(model, optimizer, inputs, forward_context)
@@ -217,7 +226,9 @@ def build_step(row: Row, size: dict, device: torch.device, compile_kwargs: dict 
             num_tokens=256, dim=width["hidden"], depth=width["layers"], heads=width["heads"], bucket_size=s["bucket"],
             **benchmark_sinkhorn.COMMON, causal=True, max_seq_len=row.length,
         )  # fmt: skip
-        model, forward = benchmark_sinkhorn.build("ours" if row.side == "ours" else "ref", opts)
+        if attention is not None:
+            opts["attn_implementation"] = attention
+        model, forward = benchmark_sinkhorn.build("ref" if row.side == "reference" else "ours", opts)
 
         def loss_of():
             return benchmark_sinkhorn.lm_loss(forward(inputs), inputs, True)
@@ -445,7 +456,7 @@ def ratios(results: dict[str, dict]) -> dict[str, dict]:
     out = {}
     for row_id, result in results.items():
         row = Row(**result["row"])
-        if row.side not in ("ours", "by_segment"):
+        if row.side not in ("ours", "by_segment", "explicit"):
             continue
         shape = f"{row.batch}x{row.length}"
         entry = {}

@@ -146,6 +146,37 @@ def test_plan_puts_the_regional_and_cuda_graph_rows_after_their_compiled_rows_an
     }
 
 
+def test_explicit_rows_train_our_models_with_the_attention_as_matrix_products():
+    """tf32 eager only, one per family; built with attn_implementation="eager", trained by our step, compared with
+    the same reference rows as ours."""
+    bench = _load()
+    ids = [row.id for row in bench.plan(bench.sizes(False))]
+    assert [i for i in ids if "/explicit/" in i] == [
+        "compressive/explicit/tf32/eager/8x2048",
+        "sinkhorn/explicit/tf32/eager/8x2048",
+    ]
+    size = bench.sizes(True)
+    for family, shape in (("compressive", size["compressive"]["shape"]), ("sinkhorn", (2, 64))):
+        row = bench.Row(family, "explicit", "tf32", "eager", *shape)
+        model, step = bench.build_step(row, size, torch.device("cpu"), None)
+        assert model.config._attn_implementation == "eager"
+        implementations = {
+            m.implementation for m in model.modules() if isinstance(getattr(m, "implementation", 0), str)
+        }
+        assert implementations == {"eager"}
+        before = [p.detach().clone() for p in model.parameters()]
+        step()  # forward, backward, AdamW: the weights move
+        assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    entry = lambda side, rate, memory: (  # noqa: E731
+        f"sinkhorn/{side}/tf32/eager/8x2048",
+        {"row": bench.Row("sinkhorn", side, "tf32", "eager", 8, 2048).__dict__, "tokens_per_s": rate,
+         "peak_memory_gib": memory},
+    )  # fmt: skip
+    compared = bench.ratios(dict([entry("explicit", 300.0, 3.0), entry("reference", 200.0, 2.0)]))
+    assert compared["sinkhorn/explicit/tf32/eager/8x2048"]["speed_vs_reference"]["eager"] == 1.5
+    assert compared["sinkhorn/explicit/tf32/eager/8x2048"]["memory_vs_reference"] == 1.5
+
+
 @pytest.mark.slow  # the whole --quick run: 1-2 minutes on a loaded 2-core machine
 def test_quick_mode_runs_every_row(tmp_path):
     out = tmp_path / "gpu.json"
@@ -162,7 +193,8 @@ def test_quick_mode_runs_every_row(tmp_path):
     rows = payload["rows"]
     families = {(r["row"]["family"], r["row"]["side"]) for r in rows.values()}
     assert families == {("compressive", "ours"), ("compressive", "reference"), ("compressive", "by_segment"),
-                        ("sinkhorn", "ours"), ("sinkhorn", "reference"), ("llama", "llama")}  # fmt: skip
+                        ("compressive", "explicit"), ("sinkhorn", "ours"), ("sinkhorn", "reference"),
+                        ("sinkhorn", "explicit"), ("llama", "llama")}  # fmt: skip
     for row_id, row in rows.items():
         assert ("tokens_per_s" in row) != ("error" in row), row_id
         if row["row"]["mode"] == "eager":
