@@ -6,6 +6,10 @@
 # machine's start (under a minute on 2026-12-04) and a shorter second command. On 2026-12-04 a compiled decoding
 # step took about 50 s to compile, a compiled training row 17-110 s.
 #
+# A session's 15 device minutes, in order (the machine's start, under a minute, included):
+#   fetch here; run(command="bash benchmarks/device_run.sh", carry=[".whl"], timeout_s=540)   (about 8.5 min);
+#   if 5 minutes remain: item 6 below with BENCH_BUDGET=180 and timeout_s=270; give the machine back.
+#
 # 1. Here, on a machine with PyPI (the device has none), once: download the wheels the device image lacks
 #    (the reference packages and their needs, transformers at our version, datasets / evaluate for the tests):
 #        benchmarks/device_run.sh fetch            # -> .whl/ (14 MB; ignored by git through .gitignore)
