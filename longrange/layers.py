@@ -154,6 +154,13 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 
+def distance_encodings(length: int, dim: int, like: torch.Tensor) -> torch.Tensor:
+    """[length, dim] sinusoidal encodings of the distances length - 1 ... 0, in the dtype and on the device of
+    `like` (the Compressive layers' relative positions: the same for every layer, each projects them itself)."""
+    distances = torch.arange(length - 1, -1, -1, device=like.device)
+    return sinusoidal_embedding(distances, dim).to(like.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Blockwise attention for training
 # ----------------------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from .compression import COMPRESSION_CLASSES
 from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
-from .layers import FeedForward, attend, blockwise_attention, put_along, register_fsdp_methods, sinusoidal_embedding
+from .layers import FeedForward, attend, blockwise_attention, distance_encodings, put_along, register_fsdp_methods
 from .loading import checked_from_pretrained
 from .packing import call_layout
 from .product_key_memory import ProductKeyMemory
@@ -366,8 +366,7 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
     def position_table(self, length: int, like: torch.Tensor) -> torch.Tensor:
         """[heads, d_head, length]: the projected sinusoidal encodings of distances length - 1 ... 0 (in the dtype
         and on the device of `like`), so that the K keys of any chunk read the last K columns (a view)."""
-        distances = torch.arange(length - 1, -1, -1, device=like.device)
-        return self.relative_table(sinusoidal_embedding(distances, self.hidden_size).to(like.dtype))
+        return self.relative_table(distance_encodings(length, self.hidden_size, like))
 
     # The layer's parameters used outside its forward (by `update_memory`, `position_table` and the cache's static
     # form): every such use goes through one of these methods (never a direct call of a submodule), so that under

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache_compressive import CompressiveMemoryCache, StaticLayout
-from .layers import real_tokens_first
+from .layers import distance_encodings, real_tokens_first
 
 
 @dataclass
@@ -218,7 +218,8 @@ class SegmentRunner:
         for state in cache.layers:
             state.drop_projections()
         max_keys = min(self.capacity, cache.memory_slots() + like.shape[1])
-        return [layer.position_table(max_keys, like) for layer in self.layers]
+        encodings = distance_encodings(max_keys, self.layers[0].hidden_size, like)  # once for every layer
+        return [layer.relative_table(encodings) for layer in self.layers]
 
     def _run_chunk(self, hidden_states, valid, cache, tables) -> LayerRun:
         """One chunk (the rest of the current segment at most) through every layer: each layer attends, hands its
