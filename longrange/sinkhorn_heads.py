@@ -442,9 +442,8 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         q_sums, sq = self._query_summaries(q, bq, terms)
         bank = self._bank(sq, k, v, terms, k_mask, null)
         idx, picked_valid, scale = self._select(bank.scores, bank.valid, bank.n_sel)  # [b, h, n, n_sel]
-        routed = self._gather_chosen(
-            bank, idx, picked_valid, scale, terms
-        )  # keys, values, mask [b, h, n, n_sel * B(, d)]
+        # the chosen buckets' keys, values, mask [b, h, n, n_sel * B(, d)]
+        routed = self._gather_chosen(bank, idx, picked_valid, scale, terms)
         placed = None
         if attn_weights is not None:
             placed = self._routed_columns(bank, idx, picked_valid, scale, lq, attn_weights)
