@@ -31,6 +31,7 @@ class BucketMask:
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
         self._terms: dict = {}
+        self._copies: dict = {}
 
     def terms(self, key: tuple, compute):
         if torch.compiler.is_compiling():
@@ -38,6 +39,17 @@ class BucketMask:
         if key not in self._terms:
             self._terms[key] = compute(self.mask)
         return self._terms[key]
+
+    def to(self, device, non_blocking: bool = False) -> BucketMask:
+        """The mask on `device`: itself when it is there already, else one copy per device, which keeps the terms of
+        the layers on that device (Accelerate's hooks move every layer's inputs to the layer's device when a model
+        is split over devices with `device_map`)."""
+        device = torch.device(device)
+        if self.mask.device == device:
+            return self
+        if device not in self._copies:
+            self._copies[device] = BucketMask(self.mask.to(device, non_blocking=non_blocking))
+        return self._copies[device]
 
 
 def bucket_mask(mask) -> BucketMask:

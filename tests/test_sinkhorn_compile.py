@@ -406,3 +406,21 @@ def test_layers_after_the_first_derive_nothing_from_the_padding_mask(name, extra
     assert 0 < saved[0] < saved[1]  # every layer after the first saves its terms
     built = [sum(shared[n][1][op] for op in CONSTANTS) for n in (2, 3)]
     assert built[0] == built[1]
+
+
+def test_the_shared_mask_follows_a_model_split_over_devices():
+    """Accelerate's hooks (`device_map`) move each layer's inputs with `send_to_device`: the BucketMask answers with
+    itself on its own device (its terms kept) and with one copy per other device, whose layers share its terms."""
+    from accelerate.utils import send_to_device
+
+    from longrange.sinkhorn_routing import BucketMask
+
+    masks = BucketMask(torch.ones(2, 16, dtype=torch.bool))
+    assert send_to_device(masks, torch.device("cpu")) is masks
+    moved = send_to_device(masks, "meta")
+    assert moved is not masks and moved.mask.device.type == "meta" and moved.mask.shape == (2, 16)
+    assert send_to_device(masks, torch.device("meta")) is moved  # the layers on that device share one copy
+    built = []
+    for holder in (moved, send_to_device(masks, "meta")):
+        holder.terms(("k",), lambda m: built.append(m.device) or m.sum())
+    assert built == [torch.device("meta")]
