@@ -149,6 +149,12 @@ class Stamps:
         pass
 
 
+def random_prompt(length: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
+    """[1, length] token ids, none of them 0: generate() is given pad_token_id=0 (below) and reads every 0 of a
+    prompt passed without an attention mask as padding, which would put padding in the middle of the rows."""
+    return torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
 def generate_kwargs(row: Row, device: torch.device, backend: str) -> dict:
     from transformers import CompileConfig
 
@@ -189,7 +195,7 @@ def measure(row: Row, size: dict, device: torch.device, backend: str, models: di
     model, fresh = model_for(row, size, device, models)
     dtype = next(model.parameters()).dtype
     result = {"parameters": sum(p.numel() for p in model.parameters()), "dtype": str(dtype).replace("torch.", "")}
-    prompt = torch.randint(0, 256, (1, row.context), generator=torch.Generator().manual_seed(1)).to(device)
+    prompt = random_prompt(row.context).to(device)
     if row.side == "reference":
         count = size["ref_new_tokens"]
         with torch.no_grad():

@@ -226,8 +226,8 @@ def worker_generate_ref(spec: dict) -> dict:
 
     model, _ = build("ref", spec["opts"])
     wrapper = AutoregressiveWrapper(model).eval()
-    prompt = torch.randint(
-        0, spec["opts"]["num_tokens"], (1, spec["context"]), generator=torch.Generator().manual_seed(1)
+    prompt = torch.randint(  # from 1, as ours: 0 is the pad id our generate() is given
+        1, spec["opts"]["num_tokens"], (1, spec["context"]), generator=torch.Generator().manual_seed(1)
     )
     wrapper.generate(prompt, 1)  # warm-up
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -262,7 +262,8 @@ def worker_generate_ours(spec: dict) -> dict:
     model.eval()
     out = {"params": sum(p.numel() for p in model.parameters())}
     for context in spec["contexts"]:
-        prompt = torch.randint(0, spec["opts"]["num_tokens"], (1, context), generator=torch.Generator().manual_seed(1))
+        # from 1: generate() reads a 0 (pad_token_id below) in the prompt as padding
+        prompt = torch.randint(1, spec["opts"]["num_tokens"], (1, context), generator=torch.Generator().manual_seed(1))
         kwargs = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
         model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
         stamps = Stamps()

@@ -142,7 +142,8 @@ def generation_run(args) -> dict:
         compression_rate=4,
     )
     model = CompressiveForCausalLM(config).eval()
-    prompt = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(args.seed))
+    # from 1: generate() reads a 0 (pad_token_id below) in the prompt as padding
+    prompt = torch.randint(1, VOCAB, (1, 16), generator=torch.Generator().manual_seed(args.seed))
 
     class RssStreamer(BaseStreamer):
         def __init__(self):

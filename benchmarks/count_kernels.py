@@ -279,7 +279,7 @@ def count_decoding(model: str, context: int, quick: bool = False, device: str = 
     row = benchmark_decoding.Row(model, MODELS[model], "compiled", context)
     size = benchmark_decoding.sizes(quick)
     net = benchmark_decoding.build(row, size).to(torch.bfloat16)
-    prompt = torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(1))
+    prompt = benchmark_decoding.random_prompt(context)
     if device == "cuda":  # dynamo's graphs captured on the CPU, then generated for the device
         import fake_cuda
 

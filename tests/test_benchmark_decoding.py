@@ -44,6 +44,21 @@ def test_rows_are_measured_and_added_to_an_existing_json(bench, tmp_path, monkey
     assert again["rows"] == rows and image.stat().st_size > 10_000
 
 
+def test_the_prompts_hold_no_padding(bench):
+    """generate() is given pad_token_id=0 and reads every 0 of a prompt without an attention mask as padding: the
+    measured prompts hold none, and the prefill sees a mask of ones (transformers' Llama here, whose forward
+    receives the mask generate() builds from the pad id, None when the prompt holds none)."""
+    pad = bench.generate_kwargs(bench.Row("llama", "llama", "eager", 64), "cpu", "inductor")["pad_token_id"]
+    assert pad == 0 and bool((bench.random_prompt(4096) != pad).all())
+    size = {**bench.sizes(quick=True), "contexts": [1024]}  # (the prompt of 1,024 tokens drawn before this held two 0s)
+    row = bench.Row("llama", "llama", "eager", 1024)
+    model = bench.build(row, size)
+    masks = []
+    model.register_forward_pre_hook(lambda module, args, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+    bench.measure(row, size, bench.torch.device("cpu"), "inductor", {(row.family, row.side, row.mode): model})
+    assert masks and all(mask is None or bool(mask.all()) for mask in masks)
+
+
 def test_ratios_and_context_scaling(bench):
     def entry(family, side, mode, context, rate):
         row = bench.Row(family, side, mode, context)
