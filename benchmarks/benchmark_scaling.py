@@ -276,7 +276,8 @@ def run_decode(row: Row, spec: dict) -> dict:
     model.to(device=device, dtype=dtype)
     out = {"parameters": sum(p.numel() for p in model.parameters()), "dtype": str(dtype).replace("torch.", "")}
     generator = torch.Generator().manual_seed(SEEDS["data"])
-    prompt = torch.randint(1, VOCAB, (1, row.length), generator=generator).to(device)  # (0: the pad id, see random_prompt)
+    # from 1: generate() reads a 0 (the pad id it is given) in the prompt as padding
+    prompt = torch.randint(1, VOCAB, (1, row.length), generator=generator).to(device)
     kwargs = decode_kwargs(row, device, spec["decode_compile"], spec["compile_backend"])
     graphs = decoding.compiled_graphs()
     start = time.perf_counter()
