@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+# collected here too, to run on the device's torch 2.11, whose dynamo says every torch.compile is exporting
+from tests.test_export import test_is_exporting_is_true_under_torch_export_only  # noqa: F401
 from tests.test_sinkhorn_compile import CONFIGS
 
 pytest.importorskip("triton")

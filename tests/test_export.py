@@ -77,3 +77,22 @@ def test_a_dynamic_length_without_a_maximum_is_refused():
     model = MODELS["sinkhorn masked"]().eval()
     with pytest.raises(ValueError, match=r"give its Dim a max"):
         export(model, torch.randint(0, VOCAB, (2, 7)), seq=Dim("seq"))
+
+
+def test_is_exporting_is_true_under_torch_export_only():
+    """`layers.is_exporting` picks the export-only paths (the routing's k rounds that torch.onnx exports, a dynamic
+    length padded to its bound): true under torch.export, false in eager and in every torch.compile, where the dynamo
+    of torch 2.7-2.11 answers `torch.compiler.is_exporting()` with True (pytorch/pytorch#176347; CI's cuda-codegen
+    environment runs this test on torch 2.11, through tests/test_cuda_codegen.py)."""
+    from longrange.layers import is_exporting
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if is_exporting() else x
+
+    x = torch.zeros(2)
+    assert not is_exporting() and torch.equal(Probe()(x), x)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(Probe(), backend="eager", fullgraph=True)(x), x)
+    torch._dynamo.reset()
+    assert torch.equal(torch.export.export(Probe(), (x,), strict=False).module()(x), x + 1)

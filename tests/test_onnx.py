@@ -43,6 +43,7 @@ def test_top_indices_sorts_unless_an_export_may_be_tracing(monkeypatch):
 
     def forms(exporting: bool, can_tell: bool) -> tuple[int, int]:
         monkeypatch.setattr(torch.compiler, "is_exporting", lambda: exporting, raising=False)  # (torch >= 2.7)
+        monkeypatch.setattr(torch.compiler, "_is_exporting_flag", exporting, raising=False)  # what torch.export sets
         monkeypatch.setattr(sinkhorn_routing, "CAN_TELL_EXPORT", can_tell)
         counts = count_dispatched_ops(lambda: top_indices(scores, 2))
         return counts["aten.sort"], counts["aten.argmax"]
