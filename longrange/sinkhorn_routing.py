@@ -24,17 +24,19 @@ class BucketMask:
     alone: bucket counts, which candidates may be chosen, additive masks, index tensors. The model hands the same
     BucketMask to every layer, so each such term is computed once per forward, not once per layer (in eager steps
     on a GPU, every operator is a launch from the host). A group asks `terms(key, compute)`; the key names what
-    `compute(mask)` depends on besides the mask. In a compiled graph nothing is kept: the compiler folds the terms
-    into the layer's kernels, and a kept term would make a regionally compiled layer's inputs differ between the
-    first layer and the others."""
+    `compute(mask)` depends on besides the mask. A graph compiled from the whole model keeps them too (the compiler
+    does not merge the layers' copies of a term: each would be a kernel per layer). A layer compiled alone, with the
+    BucketMask made outside its graph, keeps nothing: the compiler folds the terms into the layer's kernels, and a
+    kept term would make the first layer's inputs differ from the others' (two graphs)."""
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
+        self._in_graph = torch.compiler.is_compiling()  # made inside the graph being compiled
         self._terms: dict = {}
         self._copies: dict = {}
 
     def terms(self, key: tuple, compute):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not self._in_graph:
             return compute(self.mask)
         if key not in self._terms:
             self._terms[key] = compute(self.mask)

@@ -424,3 +424,59 @@ def test_the_shared_mask_follows_a_model_split_over_devices():
     for holder in (moved, send_to_device(masks, "meta")):
         holder.terms(("k",), lambda m: built.append(m.device) or m.sum())
     assert built == [torch.device("meta")]
+
+
+def constant_nodes(gm: torch.fx.GraphModule) -> int:
+    """The nodes of a dynamo graph that build an index or mask constant (`CONSTANTS`, as torch functions or methods)."""
+    names = {op.split(".")[1] for op in CONSTANTS}
+    return sum(getattr(node.target, "__name__", str(node.target)) in names for node in gm.graph.nodes)
+
+
+def recording(graphs: list):
+    """A torch.compile backend that runs each dynamo graph as it is and appends it to `graphs`."""
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+@needs_traceable_outputs
+@pytest.mark.parametrize("name", ["causal", "masked"])
+def test_compiled_models_share_the_mask_terms_and_compiled_layers_make_one_graph(name):
+    """A graph compiled from the whole model keeps the BucketMask's terms like an eager forward (the compiler does
+    not merge the layers' copies: each would be a kernel per layer). Layers compiled alone (Accelerate's regional
+    compilation), the BucketMask made outside their graph, keep nothing: one graph for every layer, no
+    recompilation. Both give the eager numbers."""
+    from torch._dynamo.utils import counters
+
+    constants = {}
+    for layers in (2, 3):
+        model = build(name, num_hidden_layers=layers)
+        model.eval()
+        kwargs = batch(model)
+        graphs = []
+        torch._dynamo.reset()
+        logits = torch.compile(model, backend=recording(graphs), fullgraph=True)(**kwargs).logits
+        torch.testing.assert_close(logits, model(**kwargs).logits, rtol=1e-6, atol=1e-6)
+        assert len(graphs) == 1
+        constants[layers] = constant_nodes(graphs[0])
+    assert constants[2] == constants[3] > 0  # built once, by the first layer
+    model = build(name, num_hidden_layers=3)
+    kwargs = batch(model)
+    expected = loss_and_grads(model, kwargs)
+    torch._dynamo.reset()
+    counters.clear()
+    layers = model.model.layers
+    for i, layer in enumerate(layers):  # as `longrange train --compile` has Accelerate do (tests/test_train.py)
+        layers[i] = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        loss, grads = loss_and_grads(model, kwargs)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    torch.testing.assert_close(loss, expected[0], rtol=1e-5, atol=1e-6)
+    grads = {key.replace("._orig_mod", ""): grad for key, grad in grads.items()}
+    assert grads.keys() == expected[1].keys()
+    for key, grad in expected[1].items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
+    torch._dynamo.reset()
