@@ -19,7 +19,7 @@ def is_exporting() -> bool:
     """Whether torch.export is tracing (torch >= 2.7; before: never known, and a dynamic length does not export).
 
     Read from the flag torch.export sets, not from `torch.compiler.is_exporting()`: the dynamo of torch 2.7-2.11
-    answers that call with True inside every torch.compile (pytorch/pytorch#176347; 2.12 reads the flag too), so
+    answers that call with True inside every torch.compile (pytorch/pytorch#176347; 2.13 reads the flag too), so
     compiled graphs took the export-only paths (the Sinkhorn routing's k rounds instead of one sort). On torch 2.7,
     strict export's dynamo pass comes before the flag is set and reads False; non-strict export (the default, and
     torch.onnx's first strategy) sets it."""
