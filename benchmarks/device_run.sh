@@ -36,7 +36,10 @@
 #        BENCH_BUDGET=240 BENCH_ROWS='^(sinkhorn/ours/bf16/regional|llama/llama/bf16/compiled)/' \
 #            bash benchmarks/device_run.sh bench
 #    The default `bench` spends its budget on the eager rows and the first compiled ones (the 2026-12-04 run
-#    reached three compiled rows), so a session with one command to spare gets more from this one.
+#    reached three compiled rows), so a session with one command to spare gets more from this one. (Since
+#    2026-12-05 a whole-model graph shares the padding-mask terms across layers and a regional one does not: about
+#    5 kernels a layer; `sinkhorn/ours/bf16/compiled` in place of `regional` measures that, at about 50 s of
+#    compilation a shape.)
 # Results go to $OUT (bench.json with the decoding rows merged in, decode.json, bench.log, decode.log, train.log;
 # they come back: copy bench.json to docs/benchmarks/gpu.json here).
 set -uo pipefail
