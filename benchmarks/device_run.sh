@@ -7,8 +7,11 @@
 # step took about 50 s to compile, a compiled training row 17-110 s.
 #
 # A session's 15 device minutes, in order (the machine's start, under a minute, included):
-#   fetch here; run(command="bash benchmarks/device_run.sh", carry=[".whl"], timeout_s=540)   (about 8.5 min);
-#   if 5 minutes remain: item 6 below with BENCH_BUDGET=180 and timeout_s=270; give the machine back.
+#   fetch here; run(command="bash benchmarks/device_run.sh", carry=[".whl"], timeout_s=540, kind="nvidia-h200")
+#   (about 8.5 min); if 5 minutes remain: item 6 below with BENCH_BUDGET=180 and timeout_s=270; give the machine
+#   back. Name the H200: the device tool's first call otherwise starts an H100 (its default kind),
+#   and the targets, the earlier runs and the code generated without a GPU (benchmarks/fake_cuda.py) are an H200's.
+#   Ratios within one run hold on either; absolute figures (decoding tokens/s) do not compare across the two.
 #
 # 1. Here, on a machine with PyPI (the device has none), once: download the wheels the device image lacks
 #    (the reference packages and their needs, transformers at our version, datasets / evaluate for the tests):

@@ -138,7 +138,7 @@ class CompressiveAttention(nn.Module):
         batch, q_len, hidden = query_input.shape
         query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
         kernel = self.kernel(query_input.device, need_weights, static=key_columns is not None)
-        if kernel == "blockwise":
+        if kernel == "blockwise":  # (runs in its queries' dtype: float32 under CPU autocast, promoted by u and v)
             out = blockwise_attention(
                 query + self.content_bias[:, None],
                 keys,
@@ -153,8 +153,10 @@ class CompressiveAttention(nn.Module):
             out = out.transpose(1, 2).reshape(batch, q_len, hidden)
             return self.o_proj(out), None, query
         # position scores: (q + v) . r for every distance, then shifted to (query, key) pairs, passed to the kernel
-        # as an additive bias (which receives its gradient); the scale is folded into the small query
-        position_query = (query + self.position_bias[:, None]) * self.scale
+        # as an additive bias (which receives its gradient); the scale is folded into the small query. u and v in
+        # the queries' dtype: as float32 under autocast they would promote bf16 queries and the bias to float32
+        u, v = (bias.to(query.dtype)[:, None] for bias in (self.content_bias, self.position_bias))
+        position_query = (query + v) * self.scale
         position = torch.matmul(position_query, relative)  # [batch, heads, q, distances]
         if key_columns is None:
             position = relative_shift(position)  # [batch, heads, q, K]
@@ -162,7 +164,7 @@ class CompressiveAttention(nn.Module):
             columns = key_columns[:, None, None, :].expand(batch, self.num_heads, q_len, -1)
             position = position.gather(-1, columns)
         result = attend(
-            query + self.content_bias[:, None],
+            query + u,
             keys,
             values,
             mask=mask,

@@ -163,3 +163,18 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def gpu_kernels(monkeypatch):
+    """The Compressive attention kernel chosen as for a CUDA device (the CPU's own is the blockwise kernel)."""
+    import torch
+
+    from longrange.modeling_compressive import CompressiveAttention
+
+    kernel = CompressiveAttention.kernel
+
+    def as_on_gpu(self, device, need_weights=False, static=False):
+        return kernel(self, torch.device("cuda"), need_weights, static)
+
+    monkeypatch.setattr(CompressiveAttention, "kernel", as_on_gpu)

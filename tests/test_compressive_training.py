@@ -144,6 +144,38 @@ def test_bf16_autocast_forward_and_backward_stay_finite(options):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_bf16_autocast_hands_the_attention_kernel_bf16_queries_and_position_bias(gpu_kernels, monkeypatch):
+    """Under bf16 autocast, along a GPU's path (sdpa, with the position term as its additive mask), the content and
+    position biases u and v (float32 parameters) join the bf16 queries in bf16. Added as float32 they promoted the
+    queries and, after them, the [batch, heads, q, K] position bias to float32, which autocast then cast back for
+    the kernel (three extra passes over the layer's largest tensor each way), and the float32 value of masked
+    entries became -inf in bf16. The loss stays within bf16 rounding of the float32 model's."""
+    import longrange.layers as layers
+
+    calls, sdpa = [], layers.F.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.dtype, key.dtype, value.dtype, attn_mask))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention", recording)
+    model = tiny_model().train()
+    ids = torch.randint(0, VOCAB, (2, 18), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    full_precision = model(ids, attention_mask=mask, labels=ids)
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, attention_mask=mask, labels=ids)
+    assert len(calls) > model.config.num_hidden_layers  # the layers' attention and the reconstruction loss's
+    for query, key, value, attn_mask in calls:
+        assert query == key == value == torch.bfloat16
+        assert attn_mask.dtype == torch.bfloat16 and torch.isfinite(attn_mask).all()
+    torch.testing.assert_close(out.lm_loss.float(), full_precision.lm_loss, atol=2e-2, rtol=0)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def test_every_parameter_takes_part_in_the_loss_even_before_the_first_eviction():
     """Data-parallel training needs the same parameters used on every step: a window too short to evict anything
     still returns a (zero) reconstruction loss connected to f_c."""

@@ -20,7 +20,6 @@ from torch.overrides import TorchFunctionMode
 from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
 from longrange.cache_sinkhorn import SinkhornCache
 from longrange.compat import CACHE_NAME
-from longrange.modeling_compressive import CompressiveAttention
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
 
@@ -43,17 +42,6 @@ class HostCopies(TorchFunctionMode):
             if frames:
                 self.sites.append(f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} {frames[-1].line}")
         return func(*args, **kwargs)
-
-
-@pytest.fixture
-def gpu_kernels(monkeypatch):
-    """The Compressive attention kernel chosen as for a CUDA device (the CPU's own is the blockwise kernel)."""
-    kernel = CompressiveAttention.kernel
-
-    def as_on_gpu(self, device, need_weights=False, static=False):
-        return kernel(self, torch.device("cuda"), need_weights, static)
-
-    monkeypatch.setattr(CompressiveAttention, "kernel", as_on_gpu)
 
 
 def left_padded(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
