@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from longrange import CompressiveConfig, CompressiveForCausalLM
 from longrange.layers import sinusoidal_embedding
-from longrange.modeling_compressive import CompressiveAttention, relative_shift
+from longrange.modeling_compressive import CompressiveAttention, relative_scores
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one thread
 
@@ -251,14 +251,18 @@ def test_attention_mask_may_cover_the_whole_history_or_only_new_tokens():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_relative_shift_matches_direct_indexing():
-    q_len, k_len = 5, 9
-    by_distance = torch.randn(2, 3, q_len, k_len)  # column c holds distance k_len - 1 - c
-    shifted = relative_shift(by_distance)
+@pytest.mark.parametrize("compiled", [False, True])  # eager pads the table, compiled graphs the scores
+def test_relative_scores_match_direct_dot_products(compiled):
+    q_len, k_len, d = 5, 9, 4
+    query = torch.randn(2, 3, q_len, d, dtype=torch.float64)
+    relative = torch.randn(3, d, k_len, dtype=torch.float64)  # column c encodes distance k_len - 1 - c
+    scores = (torch.compile(relative_scores, backend="eager") if compiled else relative_scores)(query, relative)
+    assert scores.shape == (2, 3, q_len, k_len)
     for i in range(q_len):
         for j in range(k_len - q_len + i + 1):  # visible keys only
             distance = (k_len - q_len + i) - j
-            assert torch.equal(shifted[..., i, j], by_distance[..., i, k_len - 1 - distance])
+            direct = (query[..., i, :] * relative[:, :, k_len - 1 - distance]).sum(-1)
+            torch.testing.assert_close(scores[..., i, j], direct, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
