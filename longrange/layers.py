@@ -96,9 +96,7 @@ def attend(
     if implementation == "sdpa" and not return_weights:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, dropout_p=dropout, scale=scale)
     else:
-        scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-        if additive is not None:
-            scores = scores + additive
+        scores = _scaled_scores(query, key, additive, scale)
         # softmax in float32 at least (float64 inputs keep their precision)
         probs = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1).to(query.dtype)
         probs = F.dropout(probs, p=dropout, training=dropout > 0)
@@ -112,6 +110,18 @@ def attend(
     if return_weights:
         return out, probs
     return out
+
+
+def _scaled_scores(query: torch.Tensor, key: torch.Tensor, additive: torch.Tensor | None, scale: float):
+    """scale * query key^T + additive, the explicit softmax's input. When `additive` has the scores' full shape (a
+    position bias, bucket masks), one batched product adds it in its epilogue (`baddbmm`), where a product, a
+    scaling and an addition would pass over the [..., q_len, k_len] scores three times."""
+    shape = (*query.shape[:-1], key.shape[-2])
+    if additive is None or additive.shape != shape or key.shape[:-2] != query.shape[:-2]:
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+        return scores if additive is None else scores + additive
+    bias, flat_query, flat_key = (t.reshape(-1, *t.shape[-2:]) for t in (additive, query, key))
+    return torch.baddbmm(bias, flat_query, flat_key.transpose(1, 2), alpha=scale).view(shape)
 
 
 class FeedForward(nn.Module):

@@ -1,9 +1,10 @@
-"""The shared blockwise attention kernel against a naive softmax(QK^T + bias) V written here, in float64."""
+"""The shared attention kernels (`attend`, the blockwise kernel) against a naive softmax(QK^T + bias) V written
+here, in float64."""
 
 import pytest
 import torch
 
-from longrange.layers import blockwise_attention
+from longrange.layers import attend, blockwise_attention
 
 
 def naive_attention(query, key, value, mask, scale, position_query=None, relative=None, keep=None, dropout=0.0):
@@ -54,6 +55,26 @@ def test_blockwise_attention_matches_naive_values_and_gradients(block_elements, 
     grads = torch.autograd.grad((out * upstream).sum(), leaves)
     expected_grads = torch.autograd.grad((expected * upstream).sum(), leaves)
     for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("bias_shape", ["full", "broadcast", "none"])  # full: eager adds it inside the product
+def test_attend_matches_naive_values_and_gradients(implementation, bias_shape):
+    (query, key, value, _), _, mask = inputs(causal=True)
+    generator = torch.Generator().manual_seed(1)
+    shape = {"full": (2, 3, 7, 12), "broadcast": (2, 1, 1, 12), "none": None}[bias_shape]
+    bias = None if shape is None else torch.randn(shape, generator=generator, dtype=torch.float64, requires_grad=True)
+    out = attend(query, key, value, mask=mask, bias=bias, implementation=implementation, scale=0.3)
+    scores = (query @ key.transpose(-1, -2)) * 0.3 + (0.0 if bias is None else bias)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+    expected = weights @ value
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    assert out[1, :, 0].abs().max() == 0  # a row that sees no key outputs zeros
+    upstream = torch.randn_like(out)
+    leaves = [query, key, value] + ([bias] if bias is not None else [])
+    grads = torch.autograd.grad((out * upstream).sum(), leaves)
+    for got, want in zip(grads, torch.autograd.grad((expected * upstream).sum(), leaves)):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
