@@ -12,6 +12,12 @@ way, as on CUDA, where the CPU would decompose it (its inputs cast as autocast d
 counted). A dispatch mode counts every operator of the step: views (no kernel on any device), the others (about
 one launch each) and the bytes those write, with the operators and call sites that write most. AdamW runs as on
 CUDA (`foreach`). Reads are not counted; for a pointwise operator they are about its writes again.
+
+The activations a step keeps for its backward, what drives its peak memory beyond the weights, gradients and
+optimizer state, are counted too (`saved_for_backward`): the storages autograd holds for a backward (each once;
+parameters left out, since they are alive anyway), the most held at the start of any backward of the step (a row
+trained a segment at a time runs one backward per segment). sdpa keeps its output beside its inputs, as CUDA's
+fused kernels do.
 """
 
 from __future__ import annotations
@@ -51,14 +57,15 @@ class _Sdpa(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, scale, causal, counter):
-        ctx.save_for_backward(query, key, value, mask)
         ctx.scale, ctx.causal, ctx.counter = scale, causal, counter
         with counter.unseen(), torch.no_grad():
-            return _real_sdpa(query, key, value, attn_mask=mask, scale=scale, is_causal=causal)
+            out = _real_sdpa(query, key, value, attn_mask=mask, scale=scale, is_causal=causal)
+        ctx.save_for_backward(query, key, value, mask, out)  # (the output as CUDA's kernels keep it)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        inputs = [t if t is None else t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        inputs = [t if t is None else t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors[:4]]
         with ctx.counter.unseen(), torch.enable_grad():
             out = _real_sdpa(*inputs[:3], attn_mask=inputs[3], scale=ctx.scale, is_causal=ctx.causal)
             wanted = [t for t in inputs if t is not None and t.requires_grad]
@@ -101,6 +108,37 @@ class Counter(TorchDispatchMode):
         return out
 
 
+class SavedForBackward:
+    """Bytes of the storages autograd keeps for a backward (parameters left out), the most held when a backward
+    starts."""
+
+    def __init__(self, parameters):
+        self.parameters = {p.untyped_storage().data_ptr() for p in parameters}
+        self.held, self.peak = {}, 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.parameters:
+            self.held[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @contextlib.contextmanager
+    def watching(self):
+        backward = torch.autograd.backward  # (Tensor.backward calls it)
+
+        def watched(*args, **kwargs):
+            self.peak = max(self.peak, sum(self.held.values()))
+            self.held.clear()
+            return backward(*args, **kwargs)
+
+        torch.autograd.backward = watched
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+                yield self
+        finally:
+            torch.autograd.backward = backward
+
+
 @contextlib.contextmanager
 def cuda_paths(counter: Counter):
     """The Compressive attention kernel as chosen on CUDA, sdpa as one operator, AdamW with foreach."""
@@ -130,9 +168,11 @@ def cuda_paths(counter: Counter):
 def count_row(row: benchmark_gpu.Row, size: dict, top: int) -> dict:
     counter = Counter()
     with cuda_paths(counter):
-        _, step = benchmark_gpu.build_step(row, size, torch.device("cpu"), None)
+        model, step = benchmark_gpu.build_step(row, size, torch.device("cpu"), None)
         step()  # warm-up: optimizer state, caches
         with counter:
+            step()
+        with SavedForBackward(model.parameters()).watching() as saved:  # (apart: saving calls views of its own)
             step()
     writers = sorted(counter.bytes.items(), key=lambda item: -item[1])[:top]
     return dict(
@@ -140,6 +180,7 @@ def count_row(row: benchmark_gpu.Row, size: dict, top: int) -> dict:
         operators=sum(counter.ops.values()),
         views=counter.views,
         bytes_written=sum(counter.bytes.values()),
+        saved_for_backward=saved.peak,
         top_writers=[dict(op=op, site=site, calls=counter.ops[(op, site)], bytes=n) for (op, site), n in writers],
     )
 
@@ -169,7 +210,8 @@ def main(argv=None) -> list[dict]:
         result = count_row(row, size, args.top)
         results.append(result)
         print(f"{result['row']}: {result['operators']:,} operators (not views), {result['views']:,} views, "
-              f"{result['bytes_written'] / 2**30:.2f} GiB written", flush=True)  # fmt: skip
+              f"{result['bytes_written'] / 2**30:.2f} GiB written, "
+              f"{result['saved_for_backward'] / 2**30:.2f} GiB saved for a backward", flush=True)  # fmt: skip
         for w in result["top_writers"]:
             print(f"    {w['bytes'] / 2**30:8.3f} GiB  {w['calls']:5d} x {w['op']:<28s} {w['site']}")
     if args.json:

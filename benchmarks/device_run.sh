@@ -43,6 +43,12 @@
 #    2026-12-05 a whole-model graph shares the padding-mask terms across layers and a regional one does not: about
 #    5 kernels a layer; `sinkhorn/ours/bf16/compiled` in place of `regional` measures that, at about 50 s of
 #    compilation a shape.)
+# 7. The Compressive targets (>= 1.3x the reference in tf32 and bf16, at no more peak memory): ours trained a
+#    segment at a time (the procedure whose memory meets the reference's) eager, with explicit attention (tf32), and
+#    compiled by layer (3 graphs: no memory, memory, memory and compressed memory; on the CPU the same weights as
+#    eager after 3 steps), beside the reference eager and compiled, about 300 s:
+#        BENCH_BUDGET=240 BENCH_ROWS='^compressive/(by_segment(_explicit)?/[a-z0-9]+/(eager|regional)|reference)/' \
+#            bash benchmarks/device_run.sh bench
 # Results go to $OUT (bench.json with the decoding rows merged in, decode.json, bench.log, decode.log, train.log;
 # they come back: copy bench.json to docs/benchmarks/gpu.json here).
 set -uo pipefail

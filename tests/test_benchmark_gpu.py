@@ -122,11 +122,19 @@ def test_plan_puts_the_regional_and_cuda_graph_rows_after_their_compiled_rows_an
     assert graphs == ["sinkhorn/ours/bf16/graphs/8x2048", "llama/llama/bf16/graphs/8x2048"]
     compiled = [i for i in ids if "/bf16/compiled/8x2048" in i and "reference" not in i and "by_segment" not in i]
     regional = [i.replace("/compiled/", "/regional/") for i in compiled]
-    # a regional twin for every compiled row of ours and Llama (never for the references), then the graphs rows
+    by_segment = "compressive/by_segment/bf16/regional/8x2048"
+    regional.insert(regional.index("compressive/ours/bf16/regional/8x2048") + 1, by_segment)
+    # a regional twin for every compiled row of ours (the Compressive model trained a segment at a time included)
+    # and Llama, never for the references; then the graphs rows
     assert sorted(i for i in ids if "/regional/" in i) == sorted(
-        i.replace("/compiled/", "/regional/") for i in ids if "/compiled/" in i and i.split("/")[1] in ("ours", "llama")
+        i.replace("/compiled/", "/regional/")
+        for i in ids
+        if "/compiled/" in i and i.split("/")[1] in ("ours", "by_segment", "llama")
     )
     assert ids[ids.index(compiled[-1]) + 1 : ids.index(graphs[0])] == regional
+    # the segment-at-a-time row compiled by layer comes with ours, its whole-model compilation with the references
+    assert ids.index(by_segment) < ids.index("compressive/ours/tf32/compiled/8x2048")
+    assert ids.index("compressive/by_segment/bf16/compiled/8x2048") > ids.index("llama/llama/bf16/regional/1x32768")
     row = bench.Row("sinkhorn", "ours", "bf16", "eager", 8, 2048)
     results = {
         r.id: {"row": r.__dict__, "tokens_per_s": rate}
@@ -151,14 +159,22 @@ def test_explicit_rows_train_our_models_with_the_attention_as_matrix_products():
     the same reference rows as ours."""
     bench = _load()
     ids = [row.id for row in bench.plan(bench.sizes(False))]
-    assert [i for i in ids if "/explicit/" in i] == [
+    assert [i for i in ids if "explicit/" in i] == [
         "compressive/explicit/tf32/eager/8x2048",
+        "compressive/by_segment_explicit/tf32/eager/8x2048",
         "sinkhorn/explicit/tf32/eager/8x2048",
     ]
     size = bench.sizes(True)
-    for family, shape in (("compressive", size["compressive"]["shape"]), ("sinkhorn", (2, 64))):
-        row = bench.Row(family, "explicit", "tf32", "eager", *shape)
+    segment = size["compressive"]["segment"]
+    for family, side, shape in (
+        ("compressive", "explicit", size["compressive"]["shape"]),
+        ("compressive", "by_segment_explicit", size["compressive"]["shape"]),
+        ("sinkhorn", "explicit", (2, 64)),
+    ):
+        row = bench.Row(family, side, "tf32", "eager", *shape)
         model, step = bench.build_step(row, size, torch.device("cpu"), None)
+        calls = []
+        model.register_forward_hook(lambda module, args, kwargs, out, calls=calls: calls.append(1), with_kwargs=True)
         assert model.config._attn_implementation == "eager"
         implementations = {
             m.implementation for m in model.modules() if isinstance(getattr(m, "implementation", 0), str)
@@ -167,6 +183,8 @@ def test_explicit_rows_train_our_models_with_the_attention_as_matrix_products():
         before = [p.detach().clone() for p in model.parameters()]
         step()  # forward, backward, AdamW: the weights move
         assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        # by segment: one forward (and backward) per segment of the sequence
+        assert len(calls) == (shape[1] // segment if side.startswith("by_segment") else 1), (side, len(calls))
     entry = lambda side, rate, memory: (  # noqa: E731
         f"sinkhorn/{side}/tf32/eager/8x2048",
         {"row": bench.Row("sinkhorn", side, "tf32", "eager", 8, 2048).__dict__, "tokens_per_s": rate,
@@ -193,7 +211,8 @@ def test_quick_mode_runs_every_row(tmp_path):
     rows = payload["rows"]
     families = {(r["row"]["family"], r["row"]["side"]) for r in rows.values()}
     assert families == {("compressive", "ours"), ("compressive", "reference"), ("compressive", "by_segment"),
-                        ("compressive", "explicit"), ("sinkhorn", "ours"), ("sinkhorn", "reference"),
+                        ("compressive", "explicit"), ("compressive", "by_segment_explicit"), ("sinkhorn", "ours"),
+                        ("sinkhorn", "reference"),
                         ("sinkhorn", "explicit"), ("llama", "llama")}  # fmt: skip
     for row_id, row in rows.items():
         assert ("tokens_per_s" in row) != ("error" in row), row_id

@@ -40,5 +40,20 @@ def test_quick_rows_are_counted_and_written(tmp_path):
     assert {r["row"] for r in results} == {"compressive/ours/bf16/eager/2x64", "llama/llama/bf16/eager/2x64"}
     for result in results:
         assert result["operators"] > 100 and result["views"] > 100 and result["bytes_written"] > 0
+        assert 0 < result["saved_for_backward"] < result["bytes_written"]
         assert result["top_writers"] and result["top_writers"][0]["bytes"] >= result["top_writers"][-1]["bytes"]
     assert json.loads(out.read_text())["rows"] == results
+
+
+def test_saved_for_backward_counts_each_storage_once_and_keeps_the_largest_backward():
+    count_eager = load_script("count_eager")
+    weight = torch.nn.Parameter(torch.randn(1000))
+    saved = count_eager.SavedForBackward([weight])
+    backward = torch.autograd.backward
+    with saved.watching():
+        x = torch.randn(1000, requires_grad=True)
+        z = (x * weight).exp()  # keeps x (4,000 bytes; the parameter is left out) and its output z (4,000)
+        (z + z.exp()).sum().backward()  # z again (counted once) and exp's output: 12,000 bytes held
+        small = torch.randn(10, requires_grad=True)
+        (small * weight[:10]).sum().backward()  # 40 bytes (a view of the parameter is the parameter)
+    assert saved.peak == 12_000 and torch.autograd.backward is backward
