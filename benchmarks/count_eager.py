@@ -3,6 +3,7 @@
     python benchmarks/count_eager.py                                   # every eager row, 1 x 2,048 tokens
     python benchmarks/count_eager.py --rows '^compressive/ours/bf16' --batch 8 --top 10
     python benchmarks/count_eager.py --quick --json /tmp/eager.json    # tiny sizes (CI)
+    python benchmarks/count_eager.py --rows "^compressive/.*/tf32"       # ours beside the reference
 
 Eager GPU steps are bound by the host (operators dispatched) or by the device's memory traffic (bytes the
 operators write), not by the CPU's arithmetic: both can be counted here. The row's step (forward under autocast
@@ -118,8 +119,8 @@ class SavedForBackward:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.parameters:
-            self.held[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in self.parameters:  # (held until the next backward: no address is reused)
+            self.held[storage.data_ptr()] = storage
         return tensor
 
     @contextlib.contextmanager
@@ -127,7 +128,7 @@ class SavedForBackward:
         backward = torch.autograd.backward  # (Tensor.backward calls it)
 
         def watched(*args, **kwargs):
-            self.peak = max(self.peak, sum(self.held.values()))
+            self.peak = max(self.peak, sum(storage.nbytes() for storage in self.held.values()))
             self.held.clear()
             return backward(*args, **kwargs)
 
@@ -188,7 +189,7 @@ def count_row(row: benchmark_gpu.Row, size: dict, top: int) -> dict:
 def eager_rows(size: dict, pattern: str, batch: int | None, length: int | None) -> list[benchmark_gpu.Row]:
     rows = []
     for row in benchmark_gpu.plan(size):
-        if row.mode == "eager" and row.side != "reference" and re.search(pattern, row.id):
+        if row.mode == "eager" and re.search(pattern, row.id):
             resized = (batch or row.batch, length or row.length)
             rows.append(replace(row, batch=resized[0], length=resized[1]))
     return list(dict.fromkeys(rows))

@@ -4,13 +4,17 @@ without one.
     python benchmarks/count_kernels.py                       # training: Sinkhorn and Llama, bf16, 1 x 2,048 tokens
     python benchmarks/count_kernels.py --batch 8 --length 2048 --json /tmp/kernels.json
     python benchmarks/count_kernels.py --decode 1000 --models sinkhorn compressive llama   # decoding steps
+    python benchmarks/count_kernels.py --device cuda --mode regional --by-segment --models compressive
 
 `torch.compile` (inductor) writes a GPU step as Triton kernels plus library calls (matrix products, attention).
 Here inductor generates that code with a stand-in for Triton's GPU driver: the kernels are written, never
 compiled, and every launch does nothing (buffers come zeroed; products and attention run on the CPU). Training:
 the step of `benchmark_gpu.py` (same models, width and depth; forward under bf16 autocast, backward; AdamW is not
 compiled and not counted), its forward and backward graphs. Decoding (`--decode CONTEXT`): the steps generate()
-compiles in `benchmark_decoding.py`'s compiled rows (batch 1, bf16 weights), one entry per graph.
+compiles in `benchmark_decoding.py`'s compiled rows (batch 1, bf16 weights), one entry per graph. With
+`--device cuda`, training steps can also be those of `benchmark_gpu.py`'s `regional` rows (`--mode regional`: each
+decoder layer compiled alone, as `longrange train --compile`) and of the Compressive model trained a segment at a
+time (`--by-segment`): several graphs, each counted as many times as the step runs it.
 
 Counted: the launches in the generated code, Triton kernels (pointwise, reduction, persistent reduction), matrix
 products (`extern_kernels.mm` / `bmm` / `addmm`) and aten fallbacks (attention), and among them the copies back
@@ -194,10 +198,11 @@ def work(sources: list[str], kernels: dict[str, str], precision: str) -> dict:
     }
 
 
-def _generated_code(run, device: str = "cpu") -> tuple[list[str], dict[str, str]]:
+def _generated_code(run, device: str = "cpu", sources: list | None = None) -> tuple[list[str], dict[str, str]]:
     """Run `run()` with inductor writing Triton code for the CPU device as for a GPU (device "cuda": for the fake
     CUDA device of `fake_cuda.py`), every launch a no-op; return the wrapper code of each graph generated (kernel
-    sources cut out) and each kernel's source."""
+    sources cut out) and each kernel's source. `sources`: the list the wrapper code is appended to while `run()`
+    runs (with the kernel sources still in)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor import graph as inductor_graph
@@ -209,7 +214,7 @@ def _generated_code(run, device: str = "cpu") -> tuple[list[str], dict[str, str]
     functorch_config.force_non_lazy_backward_lowering = True  # the backward graph is generated with the forward
     kernels: dict[str, str] = {}
     _stand_in_driver(kernels, device)
-    sources: list[str] = []
+    sources = [] if sources is None else sources
     codegen = inductor_graph.GraphLowering.codegen
 
     def recording_codegen(self, *args, **kwargs):
@@ -239,30 +244,47 @@ def launches(sources: list[str]) -> dict:
     }
 
 
-def count_training(model: str, precision: str, batch: int, length: int, quick: bool = False, device="cpu") -> dict:
+def count_training(
+    model: str, precision: str, batch: int, length: int, quick=False, device="cpu", mode="compiled", by_segment=False
+) -> dict:
     """In this process: the compiled training step's launches (forward and backward graphs) and work. device
-    "cuda": generated for a CUDA device (`fake_cuda.py`), else Triton code for the CPU device."""
+    "cuda": generated for a CUDA device (`fake_cuda.py`), else Triton code for the CPU device. mode "regional"
+    and `by_segment` (cuda only): the step's graphs, each counted as many times as it ran in the step."""
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import benchmark_gpu
     import fake_cuda
 
-    row = benchmark_gpu.Row(model, MODELS[model], precision, "compiled", batch, length)
+    row = benchmark_gpu.Row(model, "by_segment" if by_segment else MODELS[model], precision, mode, batch, length)
     size, cpu = benchmark_gpu.sizes(quick), torch.device("cpu")
+    whole = mode == "compiled" and not by_segment  # one forward and one backward graph
+    if device != "cuda" and not whole:
+        raise SystemExit("--mode regional and --by-segment are counted for --device cuda only")
     if device == "cuda":  # dynamo's graphs captured on the CPU, then generated for the device
-        graphs = []
-        _, step = benchmark_gpu.build_step(row, size, cpu, {"backend": fake_cuda.capturing(graphs)})
+        graphs, calls, spans, generated = [], [], [], []
+        kwargs = {"backend": fake_cuda.capturing(graphs, calls), **({"dynamic": False} if mode == "regional" else {})}
+        _, step = benchmark_gpu.build_step(row, size, cpu, kwargs)
         step()
         autocast = torch.bfloat16 if precision == "bf16" else None
-        sources, kernels = _generated_code(lambda: fake_cuda.compile_for_cuda(graphs, autocast), "cuda")
+
+        def generate():
+            for graph in graphs:  # each graph's forward (and backward): the code it runs at each call
+                start = len(generated)
+                fake_cuda.compile_for_cuda([graph], autocast)
+                spans.append(slice(start, len(generated)))
+
+        codes, kernels = _generated_code(generate, "cuda", generated)
+        sources = [code for span, n in zip(spans, calls) for code in codes[span] * n]  # in the order of the graphs
     else:
         _, step = benchmark_gpu.build_step(row, size, cpu, {})
-        sources, kernels = _generated_code(step)
-    if len(sources) != 2:
-        raise RuntimeError(f"{model}: expected a forward and a backward graph, got {len(sources)}")
-    return {"model": model, "precision": precision, "shape": [batch, length], "device": device, "graphs": len(sources),
-            **launches(sources), **work(sources, kernels, precision)}  # fmt: skip
+        codes, kernels = _generated_code(step)
+        sources = codes
+    if whole and len(codes) != 2:
+        raise RuntimeError(f"{model}: expected a forward and a backward graph, got {len(codes)}")
+    how = {} if whole else {"mode": mode, "by_segment": by_segment}
+    return {"model": model, "precision": precision, "shape": [batch, length], "device": device, **how,
+            "graphs": len(codes), **launches(sources), **work(sources, kernels, precision)}  # fmt: skip
 
 
 def count_decoding(model: str, context: int, quick: bool = False, device: str = "cpu") -> dict:
@@ -324,6 +346,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the code inductor generates for an H200 (fake_cuda.py; needs a CUDA build of "
                         "torch, no GPU); cpu (default): Triton code for the CPU device")  # fmt: skip
+    parser.add_argument("--mode", default="compiled", choices=["compiled", "regional"],
+                        help="training: the whole model compiled (default) or each decoder layer alone (with "
+                        "--device cuda)")  # fmt: skip
+    parser.add_argument(
+        "--by-segment",
+        action="store_true",
+        help="training: the Compressive model trained a segment at a time (with --device cuda)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the counts here")
     parser.add_argument("--quick", action="store_true", help="the benchmarks' --quick width (a smoke run)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -335,7 +365,10 @@ def main(argv=None) -> list[dict]:
         if args.decode is not None:
             row = count_decoding(args.worker, args.decode, args.quick, args.device)
         else:
-            row = count_training(args.worker, args.precision, args.batch, args.length, args.quick, args.device)
+            row = count_training(
+                args.worker, args.precision, args.batch, args.length, args.quick, args.device, args.mode,
+                args.by_segment,
+            )  # fmt: skip
         print(json.dumps(row))
         return []
     rows = []
@@ -357,7 +390,7 @@ def main(argv=None) -> list[dict]:
                 "--device",
                 args.device,
             ]
-            command += ["--quick"] * args.quick  # fmt: skip
+            command += ["--quick"] * args.quick + ["--by-segment"] * args.by_segment + ["--mode", args.mode]
             command += ["--decode", str(args.decode)] if args.decode is not None else []
             proc = subprocess.run(command, env=env, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -70,12 +70,22 @@ def pretend_h200() -> None:
             module.has_triton = utils_triton.has_triton
 
 
-def capturing(graphs: list) -> callable:
-    """A torch.compile backend that keeps each graph dynamo traces (with its example inputs) and runs it eagerly."""
+def capturing(graphs: list, calls: list | None = None) -> callable:
+    """A torch.compile backend that keeps each graph dynamo traces (with its example inputs) and runs it eagerly;
+    `calls` (when given) receives how many times each graph ran, in the same order."""
 
     def backend(gm, example_inputs):
         graphs.append((gm, list(example_inputs)))
-        return gm.forward
+        if calls is None:
+            return gm.forward
+        index = len(calls)
+        calls.append(0)
+
+        def counted(*args):
+            calls[index] += 1
+            return gm.forward(*args)
+
+        return counted
 
     return backend
 

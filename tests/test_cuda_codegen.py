@@ -94,3 +94,44 @@ def test_every_sinkhorn_configuration_generates_its_training_step_for_a_gpu(name
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["graphs"] >= 1 and row["launches"] > 0
     assert_generated_for_cuda(row)
+
+
+FORWARD, BACKWARD = "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"
+
+
+def attention_calls(row: dict) -> dict:
+    return {k: v for k, v in row["aten_fallbacks"].items() if "scaled_dot_product" in k}
+
+
+def test_regionally_compiled_training_steps_generate_for_a_gpu(tmp_path):
+    """`benchmark_gpu.py`'s regional rows (each decoder layer compiled alone, as `longrange train --compile`): every
+    graph generates for the H200, and each counts as often as the step runs it: Sinkhorn launches as many attention
+    kernels as compiled whole; the Compressive layers one per layer and segment (2 x 2 at this size), forward and
+    backward (compiled whole, the graph also holds the reconstruction loss's attention, which regional compilation
+    leaves eager: outside any layer's forward)."""
+    shape = ["--batch", "2", "--length", "64"]
+    for model in ("sinkhorn", "compressive"):
+        (regional,) = count(tmp_path, "--models", model, "--mode", "regional", *shape)
+        assert regional["mode"] == "regional" and regional["graphs"] >= 2
+        assert_generated_for_cuda(regional)
+        if model == "sinkhorn":
+            (whole,) = count(tmp_path, "--models", model, *shape)
+            assert attention_calls(regional) == attention_calls(whole)
+        else:
+            assert attention_calls(regional) == {FORWARD: 4, BACKWARD: 4}
+
+
+def test_the_compressive_model_trained_a_segment_at_a_time_generates_for_a_gpu(tmp_path):
+    """`benchmark_gpu.py`'s by_segment rows compiled by layer and whole: a graph per memory fill (no memory, then
+    memory), each generated for the H200. By layer: each layer's attention once per segment, forward and backward;
+    whole: also the reconstruction loss's (the second segment evicts: a target without gradient and a prediction
+    per layer)."""
+    args = ["--models", "compressive", "--by-segment", "--batch", "2", "--length", "64"]  # 2 segments of 32, 2 layers
+    for mode, graphs, attention in (
+        ("regional", 4, {FORWARD: 4, BACKWARD: 4}),
+        ("compiled", 4, {FORWARD: 8, BACKWARD: 6}),
+    ):
+        (row,) = count(tmp_path, *args, "--mode", mode)
+        assert row["by_segment"] and row["graphs"] == graphs, (mode, row["graphs"])
+        assert_generated_for_cuda(row)
+        assert attention_calls(row) == attention, mode
