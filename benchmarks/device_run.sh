@@ -8,7 +8,8 @@
 #
 # A session's 15 device minutes, in order (the machine's start, under a minute, included):
 #   fetch here; run(command="bash benchmarks/device_run.sh", carry=[".whl"], timeout_s=540, kind="nvidia-h200")
-#   (about 8.5 min); if 5 minutes remain: item 6 below with BENCH_BUDGET=180 and timeout_s=270; give the machine
+#   (about 8.5 min); if 5 minutes remain: item 6 (Sinkhorn against Llama) or 7 (the Compressive targets) below,
+#   whichever the first command left unmeasured, with BENCH_BUDGET=180 and timeout_s=270; give the machine
 #   back. Name the H200: the device tool's first call otherwise starts an H100 (its default kind),
 #   and the targets, the earlier runs and the code generated without a GPU (benchmarks/fake_cuda.py) are an H200's.
 #   Ratios within one run hold on either; absolute figures (decoding tokens/s) do not compare across the two.
