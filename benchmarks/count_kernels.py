@@ -258,9 +258,7 @@ def count_training(
 
     row = benchmark_gpu.Row(model, "by_segment" if by_segment else MODELS[model], precision, mode, batch, length)
     size, cpu = benchmark_gpu.sizes(quick), torch.device("cpu")
-    whole = mode == "compiled" and not by_segment  # one forward and one backward graph
-    if device != "cuda" and not whole:
-        raise SystemExit("--mode regional and --by-segment are counted for --device cuda only")
+    whole = mode == "compiled" and not by_segment  # one forward and one backward graph (else: cuda only, see main)
     if device == "cuda":  # dynamo's graphs captured on the CPU, then generated for the device
         graphs, calls, spans, generated = [], [], [], []
         kwargs = {"backend": fake_cuda.capturing(graphs, calls), **({"dynamic": False} if mode == "regional" else {})}
@@ -358,6 +356,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="the benchmarks' --quick width (a smoke run)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if (args.mode != "compiled" or args.by_segment) and (args.device != "cuda" or args.decode is not None):
+        parser.error("--mode regional and --by-segment count training steps with --device cuda")
+    if args.by_segment and ([args.worker] if args.worker else args.models) != ["compressive"]:
+        parser.error("--by-segment trains the Compressive model a segment at a time: use --models compressive")
     if args.worker:
         from longrange.layers import FeedForward
 

@@ -70,3 +70,19 @@ def test_sinkhorn_decoding_step_writes_its_cache_in_place():
     # the routing step may copy back a new routing choice ([b, h, n_top], `keep_route`) whose value inductor also
     # recomputes in a consumer: at most one per layer (2 here; the scatters gave 9)
     assert routes["copies_back"] <= 2
+
+
+def test_options_that_only_apply_to_some_counts_are_refused_elsewhere(capsys):
+    """--mode regional and --by-segment count training steps generated for CUDA, --by-segment the Compressive model:
+    anywhere else they would be accepted and ignored."""
+    spec = importlib.util.spec_from_file_location("count_kernels", SCRIPT)
+    count_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(count_kernels)
+    for argv in (
+        ["--mode", "regional"],  # the CPU device
+        ["--device", "cuda", "--by-segment", "--models", "compressive", "--decode", "64"],
+        ["--device", "cuda", "--by-segment", "--models", "sinkhorn"],
+    ):
+        with pytest.raises(SystemExit):
+            count_kernels.main(argv)
+        assert "--" in capsys.readouterr().err
