@@ -118,22 +118,27 @@ def _top_level_args(call: str) -> list[str]:
     return [a for a in args if a]
 
 
+def _dims(text: str) -> tuple[int, ...]:
+    """A shape written in generated code, "(8, 2048, 512)" or "8, 2048, 512" (a 1-d shape "8," included)."""
+    return tuple(int(d) for d in text.strip("()").split(",") if d.strip())
+
+
 def _buffers(code: str) -> dict[str, tuple[tuple[int, ...], int]]:
     """name -> (shape, bytes per element) of the buffers and inputs of one generated graph."""
     buffers = {}
     for name, dims, dtype in re.findall(r"\b(\w+) = empty_strided_\w+\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code):
-        buffers[name] = (tuple(int(d) for d in dims.split(",") if d.strip()), ITEMSIZE.get(dtype, 4))
+        buffers[name] = (_dims(dims), ITEMSIZE.get(dtype, 4))
     for name, dims in re.findall(r"assert_size_stride\((\w+), \(([^)]*)\)", code):
-        buffers.setdefault(name, (tuple(int(d) for d in dims.split(",") if d.strip()), 2))
+        buffers.setdefault(name, (_dims(dims), 2))
     for call in re.findall(r"assert_size_stride_grouped\(.*", code):  # torch >= 2.15: the inputs' checks in one call
         names, shapes = _top_level_args(call)[:2]
         for name, dims in zip(_top_level_args(names), _top_level_args(shapes)):
-            buffers.setdefault(name, (tuple(int(d) for d in dims.strip("()").split(",") if d.strip()), 2))
+            buffers.setdefault(name, (_dims(dims), 2))
     # inputs no check names (torch 2.15 checks no empty input): the module's benchmark harness makes each one
     for name, dims, dtype in re.findall(r"\b(\w+) = rand_strided\(\(([^)]*)\), \([^)]*\), .*dtype=torch\.(\w+)\)", code):
-        buffers.setdefault(name, (tuple(int(d) for d in dims.split(",") if d.strip()), ITEMSIZE.get(dtype, 4)))
+        buffers.setdefault(name, (_dims(dims), ITEMSIZE.get(dtype, 4)))
     for name, dims in re.findall(r"\b(\w+) = reinterpret_tensor\(\w+, \(([^)]*)\)", code):
-        buffers[name] = (tuple(int(d) for d in dims.split(",") if d.strip()), 2)
+        buffers[name] = (_dims(dims), 2)
     for name, old in re.findall(r"\b(\w+) = (\w+); del \2  # reuse", code):
         buffers.setdefault(name, buffers.get(old, ((), 2)))
     return buffers
@@ -143,7 +148,7 @@ def _shape(arg: str, buffers) -> tuple[tuple[int, ...], int]:
     """The shape (and element size) of a call argument: a buffer's name or `reinterpret_tensor(name, shape, ...)`."""
     if arg.startswith("reinterpret_tensor("):
         name, dims = _top_level_args(arg)[:2]
-        return tuple(int(d) for d in dims.strip("()").split(",") if d.strip()), buffers.get(name, ((), 2))[1]
+        return _dims(dims), buffers.get(name, ((), 2))[1]
     return buffers.get(arg, ((), 2))
 
 
