@@ -135,7 +135,9 @@ def _buffers(code: str) -> dict[str, tuple[tuple[int, ...], int]]:
         for name, dims in zip(_top_level_args(names), _top_level_args(shapes)):
             buffers.setdefault(name, (_dims(dims), 2))
     # inputs no check names (torch 2.15 checks no empty input): the module's benchmark harness makes each one
-    for name, dims, dtype in re.findall(r"\b(\w+) = rand_strided\(\(([^)]*)\), \([^)]*\), .*dtype=torch\.(\w+)\)", code):
+    for name, dims, dtype in re.findall(
+        r"\b(\w+) = rand_strided\(\(([^)]*)\), \([^)]*\), .*dtype=torch\.(\w+)\)", code
+    ):
         buffers.setdefault(name, (_dims(dims), ITEMSIZE.get(dtype, 4)))
     for name, dims in re.findall(r"\b(\w+) = reinterpret_tensor\(\w+, \(([^)]*)\)", code):
         buffers[name] = (_dims(dims), 2)
@@ -293,8 +295,12 @@ def count_training(
     if whole and len(codes) != 2:
         raise RuntimeError(f"{model}: expected a forward and a backward graph, got {len(codes)}")
     how = {} if whole else {"mode": mode, "by_segment": by_segment}
+    # graphs that attend: the model's or its layers' (torch >= 2.15 also traces the leaf modules regional
+    # compilation compiles alone: embedding, dropout, norm, head)
+    attending = sum("scaled_dot_product" in code for code in codes)
     return {"model": model, "precision": precision, "shape": [batch, length], "device": device, **how,
-            "graphs": len(codes), **launches(sources), **work(sources, kernels, precision)}  # fmt: skip
+            "graphs": len(codes), "attention_graphs": attending, **launches(sources),
+            **work(sources, kernels, precision)}  # fmt: skip
 
 
 def count_decoding(model: str, context: int, quick: bool = False, device: str = "cpu") -> dict:

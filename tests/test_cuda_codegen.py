@@ -122,16 +122,16 @@ def test_regionally_compiled_training_steps_generate_for_a_gpu(tmp_path):
 
 
 def test_the_compressive_model_trained_a_segment_at_a_time_generates_for_a_gpu(tmp_path):
-    """`benchmark_gpu.py`'s by_segment rows compiled by layer and whole: a graph per memory fill (no memory, then
-    memory), each generated for the H200. By layer: each layer's attention once per segment, forward and backward;
-    whole: also the reconstruction loss's (the second segment evicts: a target without gradient and a prediction
-    per layer)."""
+    """`benchmark_gpu.py`'s by_segment rows compiled by layer and whole: one attending graph per memory fill (no
+    memory, then memory; torch >= 2.15 also traces the leaf modules compiled alone), each generated for the H200.
+    By layer: each layer's attention once per segment, forward and backward; whole: also the reconstruction loss's
+    (the second segment evicts: a target without gradient and a prediction per layer)."""
     args = ["--models", "compressive", "--by-segment", "--batch", "2", "--length", "64"]  # 2 segments of 32, 2 layers
     for mode, graphs, attention in (
         ("regional", 4, {FORWARD: 4, BACKWARD: 4}),
         ("compiled", 4, {FORWARD: 8, BACKWARD: 6}),
     ):
         (row,) = count(tmp_path, *args, "--mode", mode)
-        assert row["by_segment"] and row["graphs"] == graphs, (mode, row["graphs"])
+        assert row["by_segment"] and row["attention_graphs"] == graphs, (mode, row["attention_graphs"])
         assert_generated_for_cuda(row)
         assert attention_calls(row) == attention, mode
