@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from client_utils import require_client
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
@@ -91,7 +92,7 @@ def test_logits_do_not_depend_on_gradient_recording(name, precision, training):
 def test_dpo_loss_at_step_0_is_ln_2_under_bf16_autocast(name):
     # TRL's DPO: the policy's log-probabilities (with gradient) against the reference's (the same weights, no_grad),
     # both through TRL's fused LM head; equal, so the loss -log sigmoid(beta * 0) is ln 2
-    fused = pytest.importorskip("trl.trainer.utils")
+    fused = require_client("trl.trainer.utils")
     torch.manual_seed(0)
     model = MODELS[name]().train()
     fused.add_fused_lm_head(model)

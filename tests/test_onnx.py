@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from client_utils import require_client
 
 from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM, sinkhorn_routing
 from longrange.layers import real_tokens_first
@@ -77,8 +78,8 @@ class Logits(torch.nn.Module):
 # the causal export takes 20 s on 2 cores: a slow test (CI runs it, in the environment that installs onnxruntime)
 @pytest.mark.parametrize("masked", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["masked", "causal"])
 def test_sinkhorn_exports_to_onnx_and_runs_in_onnxruntime_as_in_eager(masked, tmp_path):
-    pytest.importorskip("onnxscript")  # torch.onnx's dynamo exporter translates through it
-    onnxruntime = pytest.importorskip("onnxruntime")
+    require_client("onnxscript")  # torch.onnx's dynamo exporter translates through it
+    onnxruntime = require_client("onnxruntime")
     torch.manual_seed(0)
     config = SinkhornConfig(
         vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=8,

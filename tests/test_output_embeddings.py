@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from client_utils import require_client
 from transformers import OPTConfig, OPTForCausalLM
 
 from longrange import (
@@ -128,7 +129,7 @@ def test_folders_and_state_dicts_of_the_old_layout_load_with_the_same_logits(opt
 @pytest.mark.parametrize("name", ["opt", "sinkhorn-causal-2", "compressive"])
 def test_trl_fused_log_probabilities_equal_the_log_softmax_of_the_logits(name):
     # TRL's DPO scores tokens through its fused LM head: the base model's last hidden state, then the output layer
-    fused = pytest.importorskip("trl.trainer.utils")
+    fused = require_client("trl.trainer.utils")
     torch.manual_seed(3)
     model = MODELS[name]().eval()
     ids = torch.randint(0, VOCAB, (2, 21))

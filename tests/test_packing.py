@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from client_utils import require_client
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from longrange import (
@@ -158,7 +159,7 @@ def test_trainer_trains_on_packed_batches(name, tmp_path):
 
 
 def test_sft_trainer_with_packing_trains_both_models(tmp_path):
-    trl = pytest.importorskip("trl")
+    trl = require_client("trl")
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
