@@ -1,10 +1,12 @@
-"""TRL's `DPOTrainer` on saved folders, in float32 and in bf16 (TRL's default on a GPU), beside transformers' Llama.
+"""TRL's `DPOTrainer` and `GRPOTrainer` on saved folders, in float32 and in bf16 (TRL's default on a GPU), beside
+transformers' Llama. (`SFTTrainer` with packing: tests/test_packing.py.)
 
-The trainer loads each folder by its path, copies it as the reference model and scores the policy (with gradient)
-against the reference (without) through the fused LM head it installs. At step 0 both are the same weights, so the
-loss must be ln 2 and every reward margin 0: a model whose logits depend on whether gradients are recorded (the
-Compressive model under bf16 autocast did) starts elsewhere. The log-probabilities TRL computes for its own padded
-batch are checked against plain forwards of each sequence alone.
+Each trainer loads the folder by its path and scores the policy (with gradient) against a reference model of the
+same weights (without) through the fused LM head it installs. At step 0 they agree, so DPO's loss must be ln 2 with
+every reward margin 0, and GRPO's KL to the reference 0: a model whose logits depend on whether gradients are
+recorded (the Compressive model under bf16 autocast did) starts elsewhere. The log-probabilities DPO computes for
+its own padded batch are checked against plain forwards of each sequence alone; GRPO samples its completions with
+the model's `generate()` and cache.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ ROWS = {
 }
 
 
-def trainer(folder, output, bf16: bool, steps: int):
+def dpo_trainer(folder, output, bf16: bool, steps: int):
     args = trl.DPOConfig(
         output_dir=str(output), max_steps=steps, per_device_train_batch_size=3, bf16=bf16, learning_rate=1e-2,
         use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, dataloader_num_workers=0,
@@ -70,7 +72,7 @@ def folder(request, tmp_path_factory):
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_dpo_starts_at_ln_2_with_zero_margins_and_trains(folder, tmp_path, bf16):
-    dpo = trainer(folder, tmp_path, bf16, steps=3)
+    dpo = dpo_trainer(folder, tmp_path, bf16, steps=3)
     start = {n: p.detach().clone() for n, p in dpo.model.named_parameters()}
     dpo.train()
     first, *_, last = [entry for entry in dpo.state.log_history if "loss" in entry]
@@ -84,7 +86,7 @@ def test_dpo_starts_at_ln_2_with_zero_margins_and_trains(folder, tmp_path, bf16)
 
 
 def test_dpo_log_probabilities_of_its_padded_batch_equal_each_sequence_alone(folder, tmp_path):
-    dpo = trainer(folder, tmp_path, bf16=False, steps=1)
+    dpo = dpo_trainer(folder, tmp_path, bf16=False, steps=1)
     batch = next(iter(dpo.get_train_dataloader()))
     ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
     assert (mask == 0).any(), "rows of different lengths: the batch is padded"
@@ -101,3 +103,26 @@ def test_dpo_log_probabilities_of_its_padded_batch_equal_each_sequence_alone(fol
             logits = plain(real[None, :-1]).logits[0].double()
         expected = torch.log_softmax(logits, -1)[range(start - 1, len(real) - 1), real[start:]].sum()
         assert total.item() == pytest.approx(expected.item(), abs=1e-4)
+
+
+def punctuation(completions, **_):  # GRPO's reward: characters before "a" in code order (spaces, digits, capitals, ...)
+    return [float(sum(character < "a" for character in text)) for text in completions]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_grpo_samples_with_the_cache_starts_at_zero_kl_and_trains(folder, tmp_path, bf16):
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=12, beta=0.04, bf16=bf16, learning_rate=1e-2, use_cpu=True, report_to=[],
+        save_strategy="no", logging_steps=1, dataloader_num_workers=0,
+    )  # fmt: skip
+    data = datasets.Dataset.from_dict({"prompt": ROWS["prompt"] + ["Name a colour: "]})
+    grpo = trl.GRPOTrainer(model=str(folder), reward_funcs=punctuation, args=args, train_dataset=data,
+                           processing_class=TOKENIZER)  # fmt: skip
+    start = {n: p.detach().clone() for n, p in grpo.model.named_parameters()}
+    grpo.train()
+    first = grpo.state.log_history[0]
+    assert first["kl"] == pytest.approx(0, abs=1e-6)  # the policy with gradient, the reference without
+    assert first["reward_std"] > 0  # completions differ, so the advantages (and gradients) are not all zero
+    assert 0 < first["completions/mean_length"] <= 12
+    assert any(not torch.equal(p, start[n]) for n, p in grpo.model.named_parameters())
