@@ -61,41 +61,20 @@ def test_pipeline_streams_the_greedy_continuation(name, tmp_path):
     assert results[0][0]["generated_text"] == PROMPT + expected
 
 
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=128)
+
+
+def masked_sinkhorn(vocab: int, **overrides):
+    config = SinkhornConfig(**{**SPECIAL, "vocab_size": vocab}, **SIZES, bucket_size=8, causal=False, **overrides)
+    return SinkhornForMaskedLM(config)
+
+
 MASKED = {
     "bert": lambda vocab: BertForMaskedLM(
-        BertConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=128,
-            pad_token_id=TOKENIZER.pad_token_id,
-        )  # fmt: skip
+        BertConfig(vocab_size=vocab, **SIZES, intermediate_size=64, pad_token_id=TOKENIZER.pad_token_id)
     ),
-    "sinkhorn": lambda vocab: SinkhornForMaskedLM(
-        SinkhornConfig(
-            **{**SPECIAL, "vocab_size": vocab},
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            bucket_size=8,
-            max_position_embeddings=128,
-            causal=False,
-        )  # fmt: skip
-    ),
-    "sinkhorn, sortcut": lambda vocab: SinkhornForMaskedLM(
-        SinkhornConfig(
-            **{**SPECIAL, "vocab_size": vocab},
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            bucket_size=8,
-            max_position_embeddings=128,
-            causal=False,
-            n_sortcut=2,
-        )  # fmt: skip
-    ),
+    "sinkhorn": masked_sinkhorn,
+    "sinkhorn, sortcut": lambda vocab: masked_sinkhorn(vocab, n_sortcut=2),
 }
 MASKED_TEXTS = ["Hello <mask>orld", "A longer sentence with a <mask>ask in it, to be padded in the batch, or not."]
 
