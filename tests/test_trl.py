@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from longrange import CompressiveConfig, CompressiveForCausalLM, SinkhornConfig, SinkhornForCausalLM
 
 trl = require_client("trl")
+peft = pytest.importorskip("peft")  # in the test extra
 
 COMMON = dict(SPECIAL, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
 
@@ -52,13 +53,13 @@ ROWS = {
 }
 
 
-def dpo_trainer(folder, output, bf16: bool, steps: int):
+def dpo_trainer(folder, output, bf16: bool, steps: int, **kwargs):
     args = trl.DPOConfig(
         output_dir=str(output), max_steps=steps, per_device_train_batch_size=3, bf16=bf16, learning_rate=1e-2,
         use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, dataloader_num_workers=0,
     )  # fmt: skip
     data = datasets.Dataset.from_dict(ROWS)
-    return trl.DPOTrainer(model=str(folder), args=args, train_dataset=data, processing_class=TOKENIZER)
+    return trl.DPOTrainer(model=str(folder), args=args, train_dataset=data, processing_class=TOKENIZER, **kwargs)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -70,9 +71,13 @@ def folder(request, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_dpo_starts_at_ln_2_with_zero_margins_and_trains(folder, tmp_path, bf16):
-    dpo = dpo_trainer(folder, tmp_path, bf16, steps=3)
+@pytest.mark.parametrize("bf16, lora", [(False, False), (True, False), (True, True)], ids=["fp32", "bf16", "bf16-lora"])
+def test_dpo_starts_at_ln_2_with_zero_margins_and_trains(folder, tmp_path, bf16, lora):
+    # with LoRA (no target_modules: importing longrange registers ours with PEFT) the reference is the base model
+    # with the adapters switched off
+    adapters = dict(peft_config=peft.LoraConfig(task_type="CAUSAL_LM", r=4)) if lora else {}
+    dpo = dpo_trainer(folder, tmp_path, bf16, steps=3, **adapters)
+    assert isinstance(dpo.model, peft.PeftModel) == lora
     start = {n: p.detach().clone() for n, p in dpo.model.named_parameters()}
     dpo.train()
     first, *_, last = [entry for entry in dpo.state.log_history if "loss" in entry]
