@@ -136,6 +136,15 @@ def checked_from_pretrained(load, cls, *args, **kwargs):
     return (model, info) if want_info else model
 
 
+def map_every_auto_class(config, classes: dict[str, type]) -> None:
+    """Names every Auto class of the model type in `config.auto_map` (before `save_pretrained`, which adds only the
+    saved class's own), so that a saved folder loads as any of them with `trust_remote_code=True` where longrange is
+    not installed, as a Llama folder loads as `AutoModel` (the feature-extraction pipeline) or its LM head. Entries
+    already there win (a folder's own map, a Hub repository's prefix)."""
+    mapped = {auto: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}" for auto, cls in classes.items()}
+    config.auto_map = {**mapped, **(getattr(config, "auto_map", None) or {})}
+
+
 def moved_keys(moved: dict[str, str], given: dict[str, str] | None = None) -> dict[str, str]:
     """from_pretrained's `key_mapping` (regular expressions) for weights whose names moved: {old prefix: new prefix}
     of the model's state dict, matched at the start of a name; the caller's own `given` mapping comes first."""

@@ -44,7 +44,7 @@ from .configuration_checks import warn_near_misses  # noqa: F401  (see the note 
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import FeedForward, attend, blockwise_attention, distance_encodings, put_along, register_fsdp_methods
-from .loading import checked_from_pretrained
+from .loading import checked_from_pretrained, map_every_auto_class
 from .packing import call_layout
 from .product_key_memory import ProductKeyMemory
 from .segments_compressive import SegmentRunner
@@ -537,6 +537,13 @@ class CompressivePreTrainedModel(PreTrainedModel):
         do not match config.json (missing, or with no place in the model) and non-finite weights raise, naming the
         file or the weights, instead of giving a model with re-initialised or garbage weights."""
         return checked_from_pretrained(super().from_pretrained, cls, *args, **kwargs)
+
+    def save_pretrained(self, *args, **kwargs):
+        """transformers' `save_pretrained`; config.json's `auto_map` names both Auto classes (longrange/loading.py)."""
+        map_every_auto_class(
+            self.config, {"AutoModel": CompressiveModel, "AutoModelForCausalLM": CompressiveForCausalLM}
+        )
+        return super().save_pretrained(*args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear, Conv1d, ConvTranspose1d, Embedding, LayerNorm

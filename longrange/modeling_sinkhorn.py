@@ -48,7 +48,7 @@ from .configuration_checks import warn_near_misses  # noqa: F401  (see the note 
 from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
 from .layers import ATTENTION_IMPLEMENTATIONS, permute_map, permute_tokens, real_tokens_first
-from .loading import checked_from_pretrained, rename_moved_keys
+from .loading import checked_from_pretrained, map_every_auto_class, rename_moved_keys
 from .packing import call_layout, pop_document_kwargs
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
@@ -207,6 +207,13 @@ class SinkhornPreTrainedModel(PreTrainedModel):
         do not match config.json (missing, or with no place in the model) and non-finite weights raise, naming the
         file or the weights, instead of giving a model with re-initialised or garbage weights."""
         return checked_from_pretrained(super().from_pretrained, cls, *args, **kwargs)
+
+    def save_pretrained(self, *args, **kwargs):
+        """transformers' `save_pretrained`; config.json's `auto_map` names every Auto class (longrange/loading.py): a
+        causal folder loaded as the masked LM (or the other way) is refused naming the class to use."""
+        heads = {"AutoModelForCausalLM": SinkhornForCausalLM, "AutoModelForMaskedLM": SinkhornForMaskedLM}
+        map_every_auto_class(self.config, {"AutoModel": SinkhornModel, **heads})
+        return super().save_pretrained(*args, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -145,12 +145,21 @@ def test_saved_folder_loads_with_trust_remote_code_without_longrange(tmp_path):
         with torch.no_grad():
             logits = model(torch.load({str(tmp_path / "ids.pt")!r})).logits
         torch.save(logits, {str(tmp_path / "logits.pt")!r})
+        # the base model too (AutoModel, the feature-extraction pipeline), as for a Llama folder
+        from transformers import AutoModel
+        base = AutoModel.from_pretrained({str(tmp_path / "model")!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            hidden = base(torch.load({str(tmp_path / "ids.pt")!r})).last_hidden_state
+        torch.save(hidden, {str(tmp_path / "hidden.pt")!r})
         """
     )
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=0, rtol=0)
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+    torch.testing.assert_close(torch.load(tmp_path / "hidden.pt"), hidden, atol=0, rtol=0)
 
 
 @pytest.mark.slow

@@ -102,7 +102,8 @@ def test_trust_remote_code_loads_from_a_fresh_folder_without_the_package(tmp_pat
         assert (folder / name).exists(), name
     ids = torch.randint(0, 40, (1, 19))
     with torch.no_grad():
-        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+        expected = {"ids": ids, "logits": model(ids).logits, "hidden": model.model(ids).last_hidden_state}
+        torch.save(expected, tmp_path / "expected.pt")
     script = textwrap.dedent(
         f"""
         import sys
@@ -117,6 +118,16 @@ def test_trust_remote_code_loads_from_a_fresh_folder_without_the_package(tmp_pat
             torch.testing.assert_close(logits, expected["logits"], rtol=0, atol=0)
             out = model.generate(expected["ids"], max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert out.shape == (1, 23)
+        # every Auto class of the model type, as for a Llama folder: the base model (feature extraction) ...
+        from transformers import AutoModel, AutoModelForMaskedLM
+        base = AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(base(expected["ids"]).last_hidden_state, expected["hidden"], rtol=0, atol=0)
+        try:  # ... and the other head, refused naming the class to use
+            AutoModelForMaskedLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+            raise SystemExit("a causal folder loaded as the masked LM")
+        except ValueError as err:
+            assert "use SinkhornForCausalLM" in str(err), err
         print("OK")
         """
     )
