@@ -74,7 +74,7 @@ if [ "$phases" = fetch ]; then
         "${platforms[@]}" -d "$WHEELS" \
         sinkhorn-transformer==0.11.4 compressive-transformer-pytorch==0.4.0 mogrifier==0.0.5 \
         product-key-memory==0.3.0 axial-positional-embedding==0.3.12 local-attention==1.11.2 \
-        hyper-connections==0.4.11 torch-einops-utils==0.2.0 colt5-attention==0.11.2 transformers==5.24.0 \
+        hyper-connections==0.4.11 torch-einops-utils==0.2.0 colt5-attention==0.11.2 transformers==5.25.0 \
         datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19
 fi
 

@@ -122,8 +122,9 @@ def _runs(groups: nn.ModuleList) -> list[list[int]]:
     return runs
 
 
-class SinkhornSelfAttention(nn.Module):
-    """Projections plus the head groups: [local heads | Sinkhorn heads] (causal: [local | ordinary | shifted])."""
+class _Projections(nn.Module):
+    """What self- and cross-attention share: queries from the hidden states, keys and values (one product) from
+    what they attend, split into heads; the heads' outputs projected back to the hidden size."""
 
     def __init__(self, config: SinkhornConfig):
         super().__init__()
@@ -132,15 +133,30 @@ class SinkhornSelfAttention(nn.Module):
         self.to_q = nn.Linear(config.hidden_size, inner, bias=False)
         self.to_kv = nn.Linear(config.hidden_size, 2 * inner, bias=False)
         self.to_out = nn.Linear(inner, config.hidden_size)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        return x.view(b, length, -1, self.head_dim).transpose(1, 2)  # [b, H, L, d]
+
+    def _keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(self._heads(t) for t in self.to_kv(x).chunk(2, dim=-1))  # [b, H, L, d] each
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [b, H, L, d] -> [b, L, e]."""
+        b, _, length, _ = out.shape
+        return unit_output(self, self.to_out(out.transpose(1, 2).reshape(b, length, -1)))  # (via [b, L, H * d])
+
+
+class SinkhornSelfAttention(_Projections):
+    """Projections plus the head groups: [local heads | Sinkhorn heads] (causal: [local | ordinary | shifted])."""
+
+    def __init__(self, config: SinkhornConfig):
+        super().__init__(config)
         groups = _head_groups(config)
         self.groups = nn.ModuleList(group for group, _ in groups)
         ends = accumulate(count for _, count in groups)
         self.slices = [(end - count, end) for (_, count), end in zip(groups, ends)]  # each group's heads
         self.runs = _runs(self.groups)
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, length, _ = x.shape
-        return x.view(b, length, -1, self.head_dim).transpose(1, 2)  # [b, H, L, d]
 
     def forward(self, hidden_states, attention_mask, layer_cache=None, attn_weights=None):
         """hidden_states [b, L, e] -> [b, L, e]. attn_weights (output_attentions): a dict that receives, over all
@@ -149,15 +165,11 @@ class SinkhornSelfAttention(nn.Module):
         models), "route" / "route_weight" [b, H, query buckets, n_chosen] (chosen key buckets in each head's bucket
         grid, -1 for none or a null bucket; 0-weight where nothing is chosen) and "offset" [H] (head h's bucket u
         starts at token u * bucket_size - offset[h])."""
-        b, length, _ = hidden_states.shape
         q = self._heads(self.to_q(hidden_states))  # [b, H, L, d]
-        k, v = (self._heads(t) for t in self.to_kv(hidden_states).chunk(2, dim=-1))
+        k, v = self._keys_values(hidden_states)
         if layer_cache is not None and layer_cache.is_stepping:
-            out = self._step(q, k, v, layer_cache)
-        else:
-            out = self._full(q, k, v, attention_mask, layer_cache, attn_weights)
-        out = out.transpose(1, 2).reshape(b, length, -1)  # [b, L, H * d]
-        return unit_output(self, self.to_out(out))
+            return self._output(self._step(q, k, v, layer_cache))
+        return self._output(self._full(q, k, v, attention_mask, layer_cache, attn_weights))
 
     def _full(self, q, k, v, mask, layer_cache, attn_weights):
         """Every group over the whole sequence (q, k, v [b, H, L, d]) -> [b, H, L, d]; the groups' records go to
@@ -221,18 +233,13 @@ class SinkhornSelfAttention(nn.Module):
         return torch.cat(outs, dim=1)
 
 
-class SinkhornCrossAttention(nn.Module):
+class SinkhornCrossAttention(_Projections):
     """Attention from the decoder to `encoder_hidden_states` (the seed's `context`), bucketed with
     `context_bucket_size`. Causal decoders route per query bucket from its leading token; non-causal models use
     SortCut (`context_n_sortcut`) or per-bucket routing over the context buckets."""
 
     def __init__(self, config: SinkhornConfig):
-        super().__init__()
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        inner = self.num_heads * self.head_dim
-        self.to_q = nn.Linear(config.hidden_size, inner, bias=False)
-        self.to_kv = nn.Linear(config.hidden_size, 2 * inner, bias=False)
-        self.to_out = nn.Linear(inner, config.hidden_size)
+        super().__init__(config)
         self.causal = config.causal
         impl = attention_implementation(config)
         if config.causal:
@@ -266,19 +273,14 @@ class SinkhornCrossAttention(nn.Module):
                 **_routing_options(config),
             )
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, length, _ = x.shape
-        return x.view(b, length, -1, self.head_dim).transpose(1, 2)  # [b, H, L, d]
-
     def forward(self, hidden_states, attention_mask, context, context_mask, layer_cache=None, attn_weights=None):
         """hidden_states [b, L, e], context [b, Lc, e] -> [b, L, e]. attn_weights: a dict that receives "map"
         [b, H, L, context length]. A decoding step reads the context from the cache, which a prefill filled."""
-        b, length, _ = hidden_states.shape
         q = self._heads(self.to_q(hidden_states))
         if layer_cache is not None and layer_cache.is_stepping:
             out = self.heads.cross_step(q, layer_cache.step, layer_cache.cross_state, layer_cache.context)
         else:
-            k, v = (self._heads(t) for t in self.to_kv(context).chunk(2, dim=-1))  # [b, H, Lc, d]
+            k, v = self._keys_values(context)  # [b, H, Lc, d]
             if self.causal:
                 record = {} if layer_cache is not None else None
                 out = self.heads(q, k, v, attention_mask, k_mask=context_mask, record=record, attn_weights=attn_weights)
@@ -286,5 +288,4 @@ class SinkhornCrossAttention(nn.Module):
                     layer_cache.fill_cross(q, k, v, context_mask, record, self.heads)
             else:
                 out = self.heads(q, k, v, attention_mask, context_mask, attn_weights=attn_weights)
-        out = out.transpose(1, 2).reshape(b, length, -1)
-        return unit_output(self, self.to_out(out))
+        return self._output(out)
