@@ -22,7 +22,9 @@ The rules MemoryTrainer follows:
   laid out in `processes x per_device_eval_batch_size` lanes; the training memories are left untouched and
   training continues with them afterwards.
 - Checkpoints. Each process writes its memories to `stream_memory_rank<r>.pt` in the checkpoint folder; resuming
-  (`train(resume_from_checkpoint=...)`) restores them, so training continues exactly as without the interruption.
+  (`train(resume_from_checkpoint=...)`) restores them, so training continues exactly as without the interruption,
+  also with another number of processes, accumulation steps or rows per device that keeps the global batch (each
+  process regroups the saved rows of its lanes).
   A checkpoint without those files (written by another trainer) or with another lane layout (another global batch
   or window) resumes with empty memories from the resumed window on: the memory rebuilds itself as the lanes
   stream on (a warning says so).
@@ -440,16 +442,15 @@ class MemoryTrainer(LongrangeTrainer):
         super()._save_checkpoint(model, trial)
 
     def _load_memories(self, checkpoint: str) -> None:
-        """Every process's saved memories; this process keeps those of its own lanes (any world size that keeps
-        the lane layout)."""
+        """Every process's saved memories; this process takes the rows of its own lanes (any number of processes,
+        accumulation steps and rows per device that keeps the lane layout: the global batch and the window)."""
         files = sorted(glob.glob(os.path.join(checkpoint, MEMORY_FILE.format(rank="*"))))
         files = [f for f in files if re.fullmatch(r"stream_memory_rank\d+\.pt", os.path.basename(f))]
         expected = self._layouts["train"].signature()
         if not files:
             logger.warning("MemoryTrainer: %s holds no saved memories: training resumes with empty ones", checkpoint)
             return
-        layout = self._layouts["train"].layout
-        lanes_per_rank = layout.accumulation * layout.rows
+        rows = {}  # lane -> (position, cache on the CPU, row)
         for path in files:
             payload = torch.load(path, map_location="cpu", weights_only=True)
             if payload["signature"] != expected:
@@ -463,7 +464,12 @@ class MemoryTrainer(LongrangeTrainer):
                 self._memories["train"] = {}
                 return
             for stream in payload["streams"]:
-                lanes = tuple(stream["lanes"])
-                if lanes[0] // lanes_per_rank == self.args.process_index:
-                    cache = memory_from_state(stream, device=self.args.device)
-                    self._memories["train"][lanes] = (int(stream["position"]), cache)
+                cache = memory_from_state(stream)
+                rows.update({lane: (int(stream["position"]), cache, row) for row, lane in enumerate(stream["lanes"])})
+        layout = self._layouts["train"].layout
+        for micro in range(layout.accumulation):  # this process's lanes, regrouped from whichever rows held them
+            lanes = tuple(range(layout.global_batch)[layout.rows_of(self.args.process_index, micro)])
+            held = [rows[lane] for lane in lanes if lane in rows]
+            if len(held) == len(lanes) and len({position for position, _, _ in held}) == 1:
+                cache = CompressiveMemoryCache.from_rows([(cache, row) for _, cache, row in held], self.args.device)
+                self._memories["train"][lanes] = (held[0][0], cache)

@@ -129,20 +129,23 @@ def evaluate_stream(
 
 
 class TrainState:
-    """The loop's own state for `accelerator.save_state`: the step (= the data position) and the curves so far."""
+    """The loop's own state for `accelerator.save_state`: the step (= the data position), the curves so far and the
+    batch layout that saved it (processes, accumulation steps, rows per micro-step; None in older checkpoints)."""
 
     def __init__(self):
         self.step = 0
         self.tokens = 0
         self.history: dict[str, list] = {"train": [], "validation": []}
+        self.layout: dict[str, int] | None = None
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "history": self.history}
+        return {"step": self.step, "tokens": self.tokens, "history": self.history, "layout": self.layout}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
         self.history = state["history"]
+        self.layout = state.get("layout")
 
 
 def plot_curves(history: dict[str, list], path, title: str = "") -> None:

@@ -246,6 +246,39 @@ def test_memories_survive_save_and_resume(tmp_path, caplog):
     assert abs(train_logs(rebuilt)[-1]["lm_loss"] - train_logs(full)[-1]["lm_loss"]) > 1e-4
 
 
+@needs_supported
+@pytest.mark.parametrize(
+    "saved,resumed", [((4, 1), (2, 2)), ((2, 2), (1, 4))], ids=["4 rows -> 2 x 2", "2 x 2 -> 1 x 4"]
+)
+def test_memories_resume_with_other_rows_and_accumulation(tmp_path, saved, resumed):
+    """The same 4 lanes spread otherwise over rows per device and accumulation steps: each micro-step regroups the
+    saved rows of its lanes, and the resumed run ends as the uninterrupted one (and not as one without memories)."""
+
+    def run(out, layout, resume=None, memories=True):
+        trainer = MemoryTrainer(
+            model=tiny_compressive(),
+            args=training_args(out, *layout, 3, save_strategy="steps", save_steps=2),
+            train_dataset=StreamWindows(TRAIN_IDS, WINDOW),
+        )
+        if not memories:
+            (Path(resume) / "stream_memory_rank0.pt").unlink()
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", saved)
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    resumed_run = run(tmp_path / "resumed", resumed, resume=str(checkpoint))
+    for p, q in zip(resumed_run.model.parameters(), full.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)  # (float sums in another order)
+    bare = tmp_path / "bare" / "checkpoint-2"
+    shutil.copytree(checkpoint, bare)
+    without = run(tmp_path / "bare", resumed, resume=str(bare), memories=False)
+    assert any(
+        not torch.allclose(p, q, rtol=1e-5, atol=1e-4)
+        for p, q in zip(without.model.parameters(), full.model.parameters())
+    )
+
+
 def test_memory_state_round_trip():
     model = tiny_compressive().eval()
     x = torch.as_tensor(TRAIN_IDS[:64]).view(2, 32)

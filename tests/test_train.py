@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from longrange.cache_compressive import CompressiveMemoryCache
 from longrange.commands import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +95,63 @@ def test_resume_from_a_checkpoint_gives_the_uninterrupted_weights(tmp_path, play
     assert any(not torch.equal(a[n], at_checkpoint[n]) for n in a)
 
 
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [(("4", "1"), ("2", "2")), (("2", "2"), ("1", "4")), (("1", "4"), ("4", "1"))],
+    ids=["4 rows -> 2 x 2", "2 x 2 -> 1 x 4", "1 x 4 -> 4 rows"],
+)
+def test_resume_with_other_accumulation_and_rows_continues_the_carried_memories(tmp_path, play_file, saved, resumed):
+    """The same global batch spread otherwise (rows per micro-step x accumulation steps): the resumed run regroups
+    the carried memories by stream lane and ends with the uninterrupted run's weights."""
+
+    def layout(rows_and_steps):
+        rows, steps = rows_and_steps
+        return ["--batch_size", rows, "--gradient_accumulation_steps", steps]
+
+    common = ["--max_steps", "4", "--save_every", "2"]
+    run(tmp_path / "whole", play_file, *common, *layout(saved))
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_2"
+    run(tmp_path / "resumed", play_file, *common, *layout(resumed), "--resume_from", str(checkpoint))
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "resumed")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
+    # the memories mattered: resumed from empty memories, the same steps give other weights
+    run(tmp_path / "afresh", play_file, *common, *layout(resumed), "--resume_from", str(checkpoint), "--no-carry_cache")
+    c = weights(tmp_path / "afresh")
+    assert any(not torch.allclose(a[n], c[n], rtol=0, atol=1e-4) for n in a)
+
+
+def test_resume_reads_the_carried_memories_of_older_checkpoints(tmp_path, play_file):
+    """Checkpoints written before the lanes were recorded hold a list of cache objects per process."""
+    common = ["--max_steps", "4", "--save_every", "2", "--batch_size", "2", "--gradient_accumulation_steps", "2"]
+    run(tmp_path / "whole", play_file, *common)
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_2"
+    saved = torch.load(checkpoint / "stream_cache_rank0.pt", weights_only=True)
+    older = [CompressiveMemoryCache.from_state_dict(state) for state in saved["caches"]]
+    torch.save(older, checkpoint / "stream_cache_rank0.pt")
+    run(tmp_path / "resumed", play_file, *common, "--resume_from", str(checkpoint))
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "resumed")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_refuses_another_global_batch_when_carrying_memories(tmp_path, play_file):
+    run(tmp_path / "whole", play_file, "--max_steps", "2", "--batch_size", "4")
+    checkpoint = str(tmp_path / "whole" / "checkpoints" / "step_2")
+    with pytest.raises(SystemExit, match=r"global batch of 4 rows .*this run's is 2 rows .*--batch_size"):
+        run(tmp_path / "other", play_file, "--max_steps", "4", "--batch_size", "2", "--resume_from", checkpoint)
+
+
+def test_resume_without_memories_takes_another_global_batch(tmp_path, play_file, capsys):
+    run(tmp_path / "whole", play_file, "--max_steps", "2", "--batch_size", "4", model="sinkhorn")
+    checkpoint = str(tmp_path / "whole" / "checkpoints" / "step_2")
+    resumed = run(tmp_path / "other", play_file, "--max_steps", "4", "--resume_from", checkpoint, model="sinkhorn")
+    assert resumed["steps"] == 4
+    assert (
+        "global batch of 2 rows (1 processes x 1 accumulation steps x 2 rows) instead of 4" in capsys.readouterr().out
+    )
+
+
 def test_accumulation_over_rows_equals_one_bigger_batch(tmp_path, play_file):
     # the single-process twin of the two-process test: 2 micro-steps of 2 rows == 1 step of 4 rows (memories carried)
     run(tmp_path / "big", play_file, "--max_steps", "3", "--batch_size", "4")
@@ -105,10 +163,12 @@ def test_accumulation_over_rows_equals_one_bigger_batch(tmp_path, play_file):
 
 def test_streaming_training_carries_the_memory_across_steps(tmp_path, play_file):
     run(tmp_path / "carry", play_file, "--max_steps", "3", "--save_every", "0")
-    caches = torch.load(
-        tmp_path / "carry" / "checkpoints" / "step_3" / "stream_cache_rank0.pt", weights_only=False, map_location="cpu"
+    saved = torch.load(
+        tmp_path / "carry" / "checkpoints" / "step_3" / "stream_cache_rank0.pt", weights_only=True, map_location="cpu"
     )
-    (cache,) = caches  # one accumulation micro-step -> one carried memory
+    assert saved["lanes"] == [[0, 1]]  # one accumulation micro-step -> one carried memory, of the stream's 2 lanes
+    (state,) = saved["caches"]
+    cache = CompressiveMemoryCache.from_state_dict(state)
     assert cache.get_seq_length() == 3 * 32  # every token of the three steps went through the memory
     layer = cache.layers[0]
     assert layer.mem.shape[:2] == (2, 16) and not layer.mem.requires_grad  # full memory, detached
@@ -224,6 +284,33 @@ def test_two_processes_equal_one_process_with_accumulation(tmp_path, play_file, 
     a, b = weights(tmp_path / "two"), weights(tmp_path / "one")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_with_another_number_of_processes_continues_the_carried_memories(tmp_path, play_file):
+    """Checkpoints of one process with 2 accumulation steps and of two processes, each resumed by the other layout
+    (the same global batch): the memories of each process's rows regroup by stream lane, and the resumed runs end
+    with the weights of the run that saved the checkpoint."""
+    args = ["-m", "longrange", "train", "--data", str(play_file), "--window", "32", "--batch_size", "2",
+            "--max_steps", "4", "--save_every", "2", "--eval_every", "0", "--eval_tokens", "1024",
+            "--num_samples", "0", "--cpu", "--learning_rate", "3e-3", "--config", *TINY["compressive"]]  # fmt: skip
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    layouts = {"one": [sys.executable, *args, "--gradient_accumulation_steps", "2"], "two": [*launch, *args]}
+    env = {**child_env(), "ACCELERATE_USE_CPU": "1"}
+
+    def train_run(name, layout, *extra):
+        done = subprocess.run([*layouts[layout], "--output_dir", str(tmp_path / name), *extra], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    for saved, resumed in (("one", "two"), ("two", "one")):
+        train_run(saved, saved)
+        train_run(f"{saved}-resumed", resumed, "--resume_from", str(tmp_path / saved / "checkpoints" / "step_2"))
+        a, b = weights(tmp_path / saved), weights(tmp_path / f"{saved}-resumed")
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=f"{saved} -> {resumed}: {name}")
+    assert len(list((tmp_path / "two" / "checkpoints" / "step_2").glob("stream_cache_rank*.pt"))) == 2
 
 
 def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_the_floor():

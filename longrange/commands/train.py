@@ -149,7 +149,12 @@ def add_output_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval_batch_size", type=int, default=8)
     g.add_argument("--log_every", type=int, default=10)
     g.add_argument("--save_every", type=int, default=400, help="checkpoint every N steps (0 = only at the end)")
-    g.add_argument("--resume_from", default=None, help="checkpoint folder, or 'latest' (newest under output_dir)")
+    g.add_argument(
+        "--resume_from",
+        default=None,
+        help="checkpoint folder, or 'latest' (newest under output_dir); the processes, accumulation steps and "
+        "--batch_size may differ from the saved run's when their product (the global batch) is the same",
+    )
     g.add_argument("--output_dir", default=None, help="default: outputs/<model>-<corpus>")
     g.add_argument("--report_to", nargs="*", default=[], help="Accelerate trackers, e.g. tensorboard wandb")
     g.add_argument("--num_samples", type=int, default=3, help="generated samples at the end (0 = none)")

@@ -103,6 +103,55 @@ def bar_postfix(lm: float, rec: float | None, tokens_per_s: float, bits_per_byte
     return postfix
 
 
+def check_layout(saved: dict | None, current: dict, carry: bool, say) -> None:
+    """Whether a run laid out as `current` may resume a checkpoint saved with the layout `saved` (None: a checkpoint
+    from before layouts were recorded, taken as the same). The data of a step is a function of the step and the
+    global batch only, so with the same global batch the run continues exactly (to the order of float sums and,
+    with dropout and other processes, the random draws); with another one the stream's lanes are cut elsewhere,
+    which a run that carries memories cannot follow."""
+    if saved is None or saved["global_batch"] == current["global_batch"]:
+        return
+
+    def spread(layout: dict) -> str:
+        return f"{layout['processes']} processes x {layout['accumulation']} accumulation steps x {layout['rows']} rows"
+
+    was, now = (f"{layout['global_batch']} rows ({spread(layout)})" for layout in (saved, current))
+    if carry:
+        raise SystemExit(
+            f"--resume_from: the checkpoint carries memories for a global batch of {was}, this run's is {now}: "
+            f"pass --batch_size and --gradient_accumulation_steps whose product with the {current['processes']} "
+            f"processes is {saved['global_batch']}, or --no-carry_cache to start the memories afresh"
+        )
+    say(f"resuming with a global batch of {now} instead of {was}: the data from here on differs from the saved run's")
+
+
+def carried_memories(folder: Path, layout, rank: int, device) -> list:
+    """This process's carried memories, one per accumulation micro-step (None: its lanes start afresh), rebuilt from
+    what every process of the saving run wrote: each file lists the stream lanes its memories' rows continue, so
+    the rows regroup for any number of processes and accumulation steps with the same global batch."""
+    from longrange.cache_compressive import CompressiveMemoryCache
+
+    held = {}  # lane -> (cache, row)
+    for file in sorted(folder.glob("stream_cache_rank*.pt")):
+        saved = torch.load(file, map_location="cpu", weights_only=False)
+        if isinstance(saved, list):  # older checkpoints: the saving rank's caches, for the same layout as this run
+            saving_rank = int(file.stem.removeprefix("stream_cache_rank"))
+            lanes = [range(layout.global_batch)[layout.rows_of(saving_rank, micro)] for micro in range(len(saved))]
+            saved = {"lanes": lanes, "caches": [None if c is None else c.state_dict() for c in saved]}
+        for lanes, state in zip(saved["lanes"], saved["caches"]):
+            if state is not None:
+                cache = CompressiveMemoryCache.from_state_dict(state)  # (on the CPU until regrouped)
+                held.update({lane: (cache, row) for row, lane in enumerate(lanes)})
+    caches = []
+    for micro in range(layout.accumulation):
+        lanes = range(layout.global_batch)[layout.rows_of(rank, micro)]
+        missing = [lane for lane in lanes if lane not in held]
+        if held and missing:
+            raise SystemExit(f"--resume_from: {folder} holds no carried memory for lanes {missing} of the stream")
+        caches.append(CompressiveMemoryCache.from_rows([held[lane] for lane in lanes], device) if held else None)
+    return caches
+
+
 class TrainingRun:
     """One run of `longrange train`: built from the parsed options, then `resume()`, `train()`, `finish()`."""
 
@@ -175,7 +224,9 @@ class TrainingRun:
             )
 
     def resume(self) -> None:
-        """--resume_from: model, optimizer, scheduler, step, curves, RNG states and carried memories."""
+        """--resume_from: model, optimizer, scheduler, step, curves, RNG states and carried memories. The number of
+        processes, accumulation steps and rows per micro-step may differ from the run that saved the checkpoint
+        (see `check_layout`)."""
         args = self.args
         if not args.resume_from:
             return
@@ -188,16 +239,28 @@ class TrainingRun:
         if not resume.is_dir():
             raise SystemExit(f"--resume_from: no such checkpoint folder {resume}")
         self.accelerator.load_state(str(resume))
-        cache_file = resume / f"stream_cache_rank{self.accelerator.process_index}.pt"
-        if self.carry and cache_file.is_file():
-            self.caches = torch.load(cache_file, map_location=self.accelerator.device, weights_only=False)
+        saved, self.state.layout = self.state.layout, self.layout()
+        check_layout(saved, self.state.layout, self.carry, self.accelerator.print)
+        if self.carry:
+            self.caches = carried_memories(
+                resume, self.batcher.layout, self.accelerator.process_index, self.accelerator.device
+            )
         self.accelerator.print(f"resumed from {resume} at step {self.state.step}")
+
+    def layout(self) -> dict[str, int]:
+        """How this run spreads its global batch (recorded in checkpoints)."""
+        return {"processes": self.world, "accumulation": self.args.gradient_accumulation_steps,
+                "rows": self.args.batch_size, "global_batch": self.global_batch}  # fmt: skip
 
     def save_checkpoint(self) -> None:
         folder = self.output_dir / "checkpoints" / f"step_{self.state.step}"
+        self.state.layout = self.layout()
         self.accelerator.save_state(str(folder))  # model, optimizer, scheduler, TrainState, every process's RNG
-        if self.carry:  # each process's memories continue its own rows
-            torch.save(self.caches, folder / f"stream_cache_rank{self.accelerator.process_index}.pt")
+        if self.carry:  # each process's memories, with the stream lanes their rows continue
+            layout, rank = self.batcher.layout, self.accelerator.process_index
+            lanes = [list(range(layout.global_batch)[layout.rows_of(rank, micro)]) for micro in range(len(self.caches))]
+            caches = [None if cache is None else cache.state_dict() for cache in self.caches]
+            torch.save({"lanes": lanes, "caches": caches}, folder / f"stream_cache_rank{rank}.pt")
         self.accelerator.wait_for_everyone()
 
     def step(self) -> tuple[torch.Tensor, bool]:
