@@ -463,21 +463,6 @@ class CompressiveMemoryCache(Cache):
             mark_static_addresses(cache)
         return cache
 
-    @classmethod
-    def from_rows(cls, rows: list[tuple[CompressiveMemoryCache, int]], device=None) -> CompressiveMemoryCache:
-        """A cache (on `device`) of the given rows of other caches, in order ((cache, row) pairs, all in the compact
-        form and at the same fill, as the caches of one training step are): how a resumed run regroups the memories
-        it carries when its processes or accumulation steps hold other rows than the run that saved them."""
-        states = [cache.state_dict() for cache, _ in rows]
-        if any("static" in state for state in states) or len({state["seen_tokens"] for state in states}) > 1:
-            raise ValueError("from_rows takes caches in the compact form that have seen the same number of tokens")
-        layers = [
-            {name: torch.cat([state["layers"][depth][name][row : row + 1] for state, (_, row) in zip(states, rows)])
-             for name in fields}
-            for depth, fields in enumerate(states[0]["layers"])
-        ]  # fmt: skip
-        return cls.from_state_dict({"seen_tokens": states[0]["seen_tokens"], "layers": layers}, device)
-
     @torch.no_grad()
     def to_static(self, layout: StaticLayout, layers) -> None:
         """Compact form (every row at the same fill) -> the static form of `layout`. The model's decoder `layers`
@@ -520,6 +505,21 @@ class CompressiveMemoryCache(Cache):
         if not self.is_static:
             raise ValueError("crop needs the cache's inference form: only caches of no-grad forwards can be cropped")
         rewind(self, count)
+
+
+def cache_of_rows(rows: list[tuple[CompressiveMemoryCache, int]], device=None) -> CompressiveMemoryCache:
+    """A cache (on `device`) of the given rows of other caches, in order ((cache, row) pairs, all in the compact form
+    and at the same fill, as the caches of one training step are): how a resumed run regroups the memories it
+    carries when its processes or accumulation steps hold other rows than the run that saved them."""
+    states = [cache.state_dict() for cache, _ in rows]
+    if any("static" in state for state in states) or len({state["seen_tokens"] for state in states}) > 1:
+        raise ValueError("cache_of_rows takes caches in the compact form that have seen the same number of tokens")
+    layers = [
+        {name: torch.cat([state["layers"][depth][name][row : row + 1] for state, (_, row) in zip(states, rows)])
+         for name in fields}
+        for depth, fields in enumerate(states[0]["layers"])
+    ]  # fmt: skip
+    return CompressiveMemoryCache.from_state_dict({"seen_tokens": states[0]["seen_tokens"], "layers": layers}, device)
 
 
 def _place(tensor: torch.Tensor, device) -> torch.Tensor:

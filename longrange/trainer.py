@@ -46,7 +46,7 @@ from torch.utils.data import Dataset, SequentialSampler
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from .cache_compressive import CompressiveMemoryCache
+from .cache_compressive import CompressiveMemoryCache, cache_of_rows
 from .compat import TRAINER_COUNTS_PREDICTED_LABELS
 from .data import StreamBatcher
 from .training import carries_cache
@@ -471,5 +471,5 @@ class MemoryTrainer(LongrangeTrainer):
             lanes = tuple(range(layout.global_batch)[layout.rows_of(self.args.process_index, micro)])
             held = [rows[lane] for lane in lanes if lane in rows]
             if len(held) == len(lanes) and len({position for position, _, _ in held}) == 1:
-                cache = CompressiveMemoryCache.from_rows([(cache, row) for _, cache, row in held], self.args.device)
+                cache = cache_of_rows([(cache, row) for _, cache, row in held], self.args.device)
                 self._memories["train"][lanes] = (held[0][0], cache)

@@ -129,7 +129,7 @@ def carried_memories(folder: Path, layout, rank: int, device) -> list:
     """This process's carried memories, one per accumulation micro-step (None: its lanes start afresh), rebuilt from
     what every process of the saving run wrote: each file lists the stream lanes its memories' rows continue, so
     the rows regroup for any number of processes and accumulation steps with the same global batch."""
-    from longrange.cache_compressive import CompressiveMemoryCache
+    from longrange.cache_compressive import CompressiveMemoryCache, cache_of_rows
 
     held = {}  # lane -> (cache, row)
     for file in sorted(folder.glob("stream_cache_rank*.pt")):
@@ -148,7 +148,7 @@ def carried_memories(folder: Path, layout, rank: int, device) -> list:
         missing = [lane for lane in lanes if lane not in held]
         if held and missing:
             raise SystemExit(f"--resume_from: {folder} holds no carried memory for lanes {missing} of the stream")
-        caches.append(CompressiveMemoryCache.from_rows([held[lane] for lane in lanes], device) if held else None)
+        caches.append(cache_of_rows([held[lane] for lane in lanes], device) if held else None)
     return caches
 
 
