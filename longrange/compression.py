@@ -121,6 +121,27 @@ class MostUsedCompression(nn.Module):
         return chosen, valid.gather(1, chosen) & kept
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Pieces of the reconstruction losses that train f_c (`CompressiveDecoderLayer.attention_reconstruction_loss`,
+# `autoencoding_loss`)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def detached_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's attention norm applied with detached parameters (the reconstruction loss must not train it)."""
+    if isinstance(norm, nn.LayerNorm):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight.detach(), norm.bias.detach(), norm.eps)
+    return norm(x)  # Identity (post-LN): nothing to detach
+
+
+def masked_mse(prediction: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    # prediction/target [batch, len, ...]; valid [batch, len]: mean squared error over valid positions only
+    weights = valid.to(prediction.dtype).view(*valid.shape, *([1] * (prediction.dim() - 2)))
+    squared = (prediction.float() - target.float()).pow(2) * weights
+    count = weights.sum() * prediction[0, 0].numel()
+    return squared.sum() / count.clamp_min(1.0)
+
+
 COMPRESSION_CLASSES = {
     "conv1d": ConvCompression,
     "dilated_conv": DilatedConvCompression,

@@ -39,7 +39,7 @@ from transformers.utils import ModelOutput
 from .cache_compressive import CompressiveMemoryCache
 from .cache_compressive_static import StaticLayout  # noqa: F401  (see the note above)
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
-from .compression import COMPRESSION_CLASSES
+from .compression import COMPRESSION_CLASSES, detached_norm, masked_mse
 from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
@@ -224,13 +224,6 @@ class _MemoryProjection(torch.autograd.Function):
         grad_norm_weight = (weight * products).sum(0)
         grad_norm_bias = grad_sum @ weight
         return None, grad_norm_weight, grad_norm_bias, None, grad_weight, None
-
-
-def _detached_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The layer's attention norm applied with detached parameters (the reconstruction loss must not train it)."""
-    if isinstance(norm, nn.LayerNorm):
-        return F.layer_norm(x, norm.normalized_shape, norm.weight.detach(), norm.bias.detach(), norm.eps)
-    return norm(x)  # Identity (post-LN): nothing to detach
 
 
 class CompressiveDecoderLayer(GradientCheckpointingLayer):
@@ -446,11 +439,11 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         if reused is not None:
             query, evicted_keys, evicted_values = (t.detach() for t in reused)
         else:
-            query = F.linear(_detached_norm(self.attn_input_norm, segment.detach()), attention.q_proj.weight.detach())
+            query = F.linear(detached_norm(self.attn_input_norm, segment.detach()), attention.q_proj.weight.detach())
             query = attention.split_heads(query)  # [batch, heads, s, d_head]
 
         def keys_values(memories):
-            kv = F.linear(_detached_norm(self.attn_input_norm, memories), attention.kv_proj.weight.detach())
+            kv = F.linear(detached_norm(self.attn_input_norm, memories), attention.kv_proj.weight.detach())
             keys, values = kv.chunk(2, dim=-1)
             return attention.split_heads(keys), attention.split_heads(values)
 
@@ -465,21 +458,13 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
         prediction = attend(
             query, *keys_values(compressed), mask=compressed_valid[:, None, None, :], implementation=implementation
         )
-        return _masked_mse(prediction.transpose(1, 2), target.transpose(1, 2), segment_valid)
+        return masked_mse(prediction.transpose(1, 2), target.transpose(1, 2), segment_valid)
 
     def autoencoding_loss(self, evicted: torch.Tensor, evicted_valid: torch.Tensor, compressed: torch.Tensor):
         """MSE between the evicted memories and their reconstruction from the compressed ones (trains f_c and
         the decoder only: the evicted memories are detached)."""
         decoded = self.decompress(compressed.transpose(1, 2)).transpose(1, 2)  # [batch, n, hidden]
-        return _masked_mse(decoded, evicted.detach(), evicted_valid)
-
-
-def _masked_mse(prediction: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    # prediction/target [batch, len, ...]; valid [batch, len]: mean squared error over valid positions only
-    weights = valid.to(prediction.dtype).view(*valid.shape, *([1] * (prediction.dim() - 2)))
-    squared = (prediction.float() - target.float()).pow(2) * weights
-    count = weights.sum() * prediction[0, 0].numel()
-    return squared.sum() / count.clamp_min(1.0)
+        return masked_mse(decoded, evicted.detach(), evicted_valid)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -743,9 +728,7 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
             lm_loss = self.loss_function(
                 logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
             )
-            loss = lm_loss
-            if reconstruction_loss is not None:
-                loss = lm_loss + self.config.reconstruction_loss_weight * reconstruction_loss
+            loss = self._total_loss(lm_loss, reconstruction_loss, labels, shift_labels, num_items_in_batch)
         result = CompressiveCausalLMOutput(
             loss=loss,
             lm_loss=lm_loss,
@@ -756,6 +739,19 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
         return result if return_dict else result.to_tuple()
+
+    def _total_loss(self, lm_loss, reconstruction_loss, labels, shift_labels, num_items_in_batch) -> torch.Tensor:
+        """LM loss + weight x reconstruction loss. Under `Trainer` (`num_items_in_batch`: the predicted tokens of the
+        whole accumulated batch, of every process when it averages tokens across them) the LM loss is this call's
+        sum divided by that count, and Trainer adds the calls' losses up; the reconstruction loss, a mean over this
+        call's compressions, is weighted by the call's share of those tokens likewise, so that the sum is a
+        token-weighted mean of it too (not one whole mean per accumulation step and process)."""
+        if reconstruction_loss is None:
+            return lm_loss
+        if num_items_in_batch is not None:
+            predicted = shift_labels if shift_labels is not None else labels[..., 1:]
+            reconstruction_loss = reconstruction_loss * (predicted.ne(-100).sum() / num_items_in_batch)
+        return lm_loss + self.config.reconstruction_loss_weight * reconstruction_loss
 
     def prepare_inputs_for_generation(
         self,

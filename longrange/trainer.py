@@ -65,9 +65,9 @@ STREAM_COLUMNS = ("stream_lane", "stream_position")
 class LongrangeTrainer(Trainer):
     """A Trainer that also logs the auxiliary losses a model reports (`lm_loss`, `reconstruction_loss`).
 
-    Trainer optimises and logs `outputs.loss` only (for the Compressive model: LM loss + reconstruction loss).
-    This subclass weights the two parts correctly (see `compute_loss`), collects them per step and adds their means
-    to the train and eval logs. It also keeps only the logits for `compute_metrics` (the cache and the loss parts
+    Trainer optimises and logs `outputs.loss` only (for the Compressive model: LM loss + reconstruction loss, which
+    the model weights for Trainer's accumulation and processes itself). This subclass collects the two parts per
+    step and adds their means to the train and eval logs. It also keeps only the logits for `compute_metrics` (the cache and the loss parts
     are not predictions), and writes the longrange model card when pushing.
     """
 
@@ -83,20 +83,15 @@ class LongrangeTrainer(Trainer):
         return model(**inputs, **loss_kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # Trainer's rule, written out: with `num_items_in_batch` the model divides the LM loss by the tokens of the
-        # whole accumulated batch over all processes, so Trainer neither divides the loss by the accumulation steps
-        # nor lets the gradient average over processes shrink it (it multiplies the loss by the number of
-        # processes). That is right for the LM part only. The rest (the reconstruction loss) is a plain per-call mean
-        # and would count `accumulation steps x processes` times over, so here it is made a mean over calls instead.
+        # Trainer's rule, written out: with `num_items_in_batch` the model divides its losses by the tokens of the
+        # whole accumulated batch over all processes (the Compressive model weights its reconstruction loss by the
+        # call's share of them), so Trainer neither divides the loss by the accumulation steps nor lets the
+        # gradient average over processes shrink it (it multiplies the loss by the number of processes).
         normalised = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         outputs = self.run_model(model, inputs, **({"num_items_in_batch": num_items_in_batch} if normalised else {}))
-        loss, lm_loss = outputs.loss, getattr(outputs, "lm_loss", None)
+        lm_loss = getattr(outputs, "lm_loss", None)
         processes = self.accelerator.num_processes if normalised and self.args.average_tokens_across_devices else 1
-        if normalised and lm_loss is not None:
-            steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
-            loss = processes * lm_loss + (loss - lm_loss) / steps
-        else:
-            loss = loss * processes
+        loss = outputs.loss * processes
         phase = "train" if model.training else "eval"
         if lm_loss is not None:
             if normalised:  # back to the mean over this call's predicted tokens, for the log
