@@ -135,11 +135,12 @@ def test_resume_reads_the_carried_memories_of_older_checkpoints(tmp_path, play_f
         assert torch.equal(a[name], b[name]), name
 
 
-def test_resume_refuses_another_global_batch_when_carrying_memories(tmp_path, play_file):
+@pytest.mark.parametrize("other", [["--batch_size", "2"], ["--window", "64"]], ids=["global batch", "window"])
+def test_resume_refuses_other_lanes_when_carrying_memories(tmp_path, play_file, other):
     run(tmp_path / "whole", play_file, "--max_steps", "2", "--batch_size", "4")
     checkpoint = str(tmp_path / "whole" / "checkpoints" / "step_2")
-    with pytest.raises(SystemExit, match=r"global batch of 4 rows .*this run's is 2 rows .*--batch_size"):
-        run(tmp_path / "other", play_file, "--max_steps", "4", "--batch_size", "2", "--resume_from", checkpoint)
+    with pytest.raises(SystemExit, match=r"global batch of 4 rows .* of 32 tokens, this run's is .*--window 32 "):
+        run(tmp_path / "other", play_file, "--max_steps", "4", "--batch_size", "4", *other, "--resume_from", checkpoint)
 
 
 def test_resume_without_memories_takes_another_global_batch(tmp_path, play_file, capsys):
@@ -148,7 +149,8 @@ def test_resume_without_memories_takes_another_global_batch(tmp_path, play_file,
     resumed = run(tmp_path / "other", play_file, "--max_steps", "4", "--resume_from", checkpoint, model="sinkhorn")
     assert resumed["steps"] == 4
     assert (
-        "global batch of 2 rows (1 processes x 1 accumulation steps x 2 rows) instead of 4" in capsys.readouterr().out
+        "global batch of 2 rows (1 processes x 1 accumulation steps x 2 rows) of 32 tokens instead of 4 rows"
+        in capsys.readouterr().out
     )
 
 

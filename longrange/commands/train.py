@@ -153,7 +153,7 @@ def add_output_options(p: argparse.ArgumentParser) -> None:
         "--resume_from",
         default=None,
         help="checkpoint folder, or 'latest' (newest under output_dir); the processes, accumulation steps and "
-        "--batch_size may differ from the saved run's when their product (the global batch) is the same",
+        "--batch_size may differ from the saved run's when their product (the global batch) and --window stay",
     )
     g.add_argument("--output_dir", default=None, help="default: outputs/<model>-<corpus>")
     g.add_argument("--report_to", nargs="*", default=[], help="Accelerate trackers, e.g. tensorboard wandb")

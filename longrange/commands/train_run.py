@@ -105,22 +105,26 @@ def bar_postfix(lm: float, rec: float | None, tokens_per_s: float, bits_per_byte
 
 def check_layout(saved: dict | None, current: dict, carry: bool, say) -> None:
     """Whether a run laid out as `current` may resume a checkpoint saved with the layout `saved` (None: a checkpoint
-    from before layouts were recorded, taken as the same). The data of a step is a function of the step and the
-    global batch only, so with the same global batch the run continues exactly (to the order of float sums and,
-    with dropout and other processes, the random draws); with another one the stream's lanes are cut elsewhere,
+    from before layouts were recorded, taken as the same). The data of a step is a function of the step, the global
+    batch and the window only, so with the same two the run continues exactly (to the order of float sums and, with
+    dropout and other processes, the random draws); with others the stream's lanes and windows are cut elsewhere,
     which a run that carries memories cannot follow."""
-    if saved is None or saved["global_batch"] == current["global_batch"]:
+    if saved is None or all(saved[key] == current[key] for key in ("global_batch", "window")):
         return
 
-    def spread(layout: dict) -> str:
-        return f"{layout['processes']} processes x {layout['accumulation']} accumulation steps x {layout['rows']} rows"
+    def described(layout: dict) -> str:
+        spread = (
+            f"{layout['processes']} processes x {layout['accumulation']} accumulation steps x {layout['rows']} rows"
+        )
+        return f"{layout['global_batch']} rows ({spread}) of {layout['window']} tokens"
 
-    was, now = (f"{layout['global_batch']} rows ({spread(layout)})" for layout in (saved, current))
+    was, now = described(saved), described(current)
     if carry:
         raise SystemExit(
-            f"--resume_from: the checkpoint carries memories for a global batch of {was}, this run's is {now}: "
-            f"pass --batch_size and --gradient_accumulation_steps whose product with the {current['processes']} "
-            f"processes is {saved['global_batch']}, or --no-carry_cache to start the memories afresh"
+            f"--resume_from: the checkpoint carries memories for a global batch of {was}, this run's is {now}: pass "
+            f"--window {saved['window']} and --batch_size and --gradient_accumulation_steps whose product with the "
+            f"{current['processes']} processes is {saved['global_batch']}, or --no-carry_cache to start the memories "
+            "afresh"
         )
     say(f"resuming with a global batch of {now} instead of {was}: the data from here on differs from the saved run's")
 
@@ -250,7 +254,7 @@ class TrainingRun:
     def layout(self) -> dict[str, int]:
         """How this run spreads its global batch (recorded in checkpoints)."""
         return {"processes": self.world, "accumulation": self.args.gradient_accumulation_steps,
-                "rows": self.args.batch_size, "global_batch": self.global_batch}  # fmt: skip
+                "rows": self.args.batch_size, "global_batch": self.global_batch, "window": self.args.window}  # fmt: skip
 
     def save_checkpoint(self) -> None:
         folder = self.output_dir / "checkpoints" / f"step_{self.state.step}"
