@@ -67,8 +67,8 @@ class LongrangeTrainer(Trainer):
 
     Trainer optimises and logs `outputs.loss` only (for the Compressive model: LM loss + reconstruction loss, which
     the model weights for Trainer's accumulation and processes itself). This subclass collects the two parts per
-    step and adds their means to the train and eval logs. It also keeps only the logits for `compute_metrics` (the cache and the loss parts
-    are not predictions), and writes the longrange model card when pushing.
+    step and adds their means to the train and eval logs. It also keeps only the logits for `compute_metrics` (the
+    cache and the loss parts are not predictions), and writes the longrange model card when pushing.
     """
 
     def __init__(self, *args, card: dict | None = None, **kwargs):
@@ -466,5 +466,5 @@ class MemoryTrainer(LongrangeTrainer):
             lanes = tuple(range(layout.global_batch)[layout.rows_of(self.args.process_index, micro)])
             held = [rows[lane] for lane in lanes if lane in rows]
             if len(held) == len(lanes) and len({position for position, _, _ in held}) == 1:
-                cache = cache_of_rows([(cache, row) for _, cache, row in held], self.args.device)
-                self._memories["train"][lanes] = (held[0][0], cache)
+                joined = cache_of_rows([(source, row) for _, source, row in held], self.args.device)
+                self._memories["train"][lanes] = (held[0][0], joined)

@@ -253,8 +253,8 @@ class TrainingRun:
 
     def layout(self) -> dict[str, int]:
         """How this run spreads its global batch (recorded in checkpoints)."""
-        return {"processes": self.world, "accumulation": self.args.gradient_accumulation_steps,
-                "rows": self.args.batch_size, "global_batch": self.global_batch, "window": self.args.window}  # fmt: skip
+        return dict(processes=self.world, accumulation=self.args.gradient_accumulation_steps,
+                    rows=self.args.batch_size, global_batch=self.global_batch, window=self.args.window)  # fmt: skip
 
     def save_checkpoint(self) -> None:
         folder = self.output_dir / "checkpoints" / f"step_{self.state.step}"
