@@ -1,25 +1,37 @@
 """longrange: the Compressive Transformer and the Sinkhorn Transformer as Hugging Face transformers models.
 
 Importing the package registers both model types with the Auto classes, so `AutoConfig`, `AutoModel`,
-`AutoModelForCausalLM` (and `AutoModelForMaskedLM` for Sinkhorn) work for `model_type` "compressive" and "sinkhorn",
-and `save_pretrained` writes an `auto_map` so saved folders also load with `trust_remote_code=True` where this
-package is not installed.
+`AutoModelForCausalLM`, `AutoModelForSequenceClassification`, `AutoModelForTokenClassification`,
+`AutoModelForQuestionAnswering` (and `AutoModelForMaskedLM` for Sinkhorn) work for `model_type` "compressive" and
+"sinkhorn", and `save_pretrained` writes an `auto_map` so saved folders also load with `trust_remote_code=True`
+where this package is not installed.
 """
 
 import importlib.abc
 import importlib.util
 import sys
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+import transformers
+from transformers import AutoConfig
 
 from .cache_compressive import CompressiveMemoryCache
 from .cache_sinkhorn import SinkhornCache
 from .configuration_compressive import CompressiveConfig
 from .configuration_sinkhorn import SinkhornConfig
-from .modeling_compressive import CompressiveForCausalLM, CompressiveModel, CompressivePreTrainedModel
+from .modeling_compressive import (
+    CompressiveForCausalLM,
+    CompressiveForQuestionAnswering,
+    CompressiveForSequenceClassification,
+    CompressiveForTokenClassification,
+    CompressiveModel,
+    CompressivePreTrainedModel,
+)
 from .modeling_sinkhorn import (
     SinkhornForCausalLM,
     SinkhornForMaskedLM,
+    SinkhornForQuestionAnswering,
+    SinkhornForSequenceClassification,
+    SinkhornForTokenClassification,
     SinkhornModel,
     SinkhornPreTrainedModel,
     SinkhornRouting,
@@ -29,19 +41,35 @@ from .product_key_memory import ProductKeyMemory, pkm_parameter_groups
 __version__ = "0.1.0"
 
 
+# the Auto class of each model class (the class's name ends in the Auto class's suffix)
+_AUTO_CLASSES = {
+    CompressiveConfig: (
+        CompressiveModel,
+        CompressiveForCausalLM,
+        CompressiveForSequenceClassification,
+        CompressiveForTokenClassification,
+        CompressiveForQuestionAnswering,
+    ),
+    SinkhornConfig: (
+        SinkhornModel,
+        SinkhornForCausalLM,
+        SinkhornForMaskedLM,
+        SinkhornForSequenceClassification,
+        SinkhornForTokenClassification,
+        SinkhornForQuestionAnswering,
+    ),
+}
+
+
 def _register() -> None:
-    for config, base, causal in (
-        (CompressiveConfig, CompressiveModel, CompressiveForCausalLM),
-        (SinkhornConfig, SinkhornModel, SinkhornForCausalLM),
-    ):
+    for config, classes in _AUTO_CLASSES.items():
         AutoConfig.register(config.model_type, config, exist_ok=True)
-        AutoModel.register(config, base, exist_ok=True)
-        AutoModelForCausalLM.register(config, causal, exist_ok=True)
         config.register_for_auto_class()
-        base.register_for_auto_class("AutoModel")
-        causal.register_for_auto_class("AutoModelForCausalLM")
-    AutoModelForMaskedLM.register(SinkhornConfig, SinkhornForMaskedLM, exist_ok=True)
-    SinkhornForMaskedLM.register_for_auto_class("AutoModelForMaskedLM")
+        for cls in classes:
+            head = cls.__name__.partition("For")[2]  # "" for the base model
+            auto = f"AutoModelFor{head}" if head else "AutoModel"
+            getattr(transformers, auto).register(config, cls, exist_ok=True)
+            cls.register_for_auto_class(auto)
 
 
 _register()
@@ -94,6 +122,9 @@ elif importlib.util.find_spec("peft") is not None:
 __all__ = [
     "CompressiveConfig",
     "CompressiveForCausalLM",
+    "CompressiveForQuestionAnswering",
+    "CompressiveForSequenceClassification",
+    "CompressiveForTokenClassification",
     "CompressiveMemoryCache",
     "CompressiveModel",
     "CompressivePreTrainedModel",
@@ -102,6 +133,9 @@ __all__ = [
     "SinkhornConfig",
     "SinkhornForCausalLM",
     "SinkhornForMaskedLM",
+    "SinkhornForQuestionAnswering",
+    "SinkhornForSequenceClassification",
+    "SinkhornForTokenClassification",
     "SinkhornModel",
     "SinkhornPreTrainedModel",
     "SinkhornRouting",

@@ -72,6 +72,13 @@ TOKEN_IDS = FieldRule(
 )
 
 
+# the classification heads' options (longrange/classification.py), the same in both configs
+CLASSIFIER_RULES = {
+    "classifier_pooling": optional(one_of(("last", "mean")), "None, 'last' or 'mean'"),
+    "classifier_dropout": optional(probability(), "None or a float in [0, 1)"),
+}
+
+
 def check_fields(
     config, rules: Mapping[str, FieldRule], prefix: str = "", also_called: Mapping[str, str] | None = None
 ) -> None:

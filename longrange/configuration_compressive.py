@@ -12,6 +12,7 @@ from transformers import PreTrainedConfig
 
 from .configuration_checks import (
     BOOLEAN,
+    CLASSIFIER_RULES,
     PKM_TOPK_FITS,
     TOKEN_ID,
     TOKEN_IDS,
@@ -74,6 +75,10 @@ class CompressiveConfig(PreTrainedConfig):
         pkm_heads (`int`, defaults to 4): product-key memory heads.
         pkm_topk (`int`, optional): slots selected per head and token; at most `pkm_num_keys`. Default (None):
             `min(32, pkm_num_keys)`, resolved when the config is built (the resolved value is what is saved).
+        classifier_pooling (`str`, optional): what a sequence-classification head summarises: `"last"` (the last
+            real token) or `"mean"` (the mean of the real tokens). Default (None): `"last"`.
+        classifier_dropout (`float`, optional): dropout before a token-classification head's `score`. Default
+            (None): `hidden_dropout`, as transformers' heads.
 
     Saved configs (`from_dict`, used by `from_pretrained` and `AutoConfig`): a missing field takes its default above
     (folders saved by this package hold every field); a key that is not a field is kept as an attribute (what a user
@@ -116,6 +121,8 @@ class CompressiveConfig(PreTrainedConfig):
     pkm_num_keys: int = 128
     pkm_heads: int = 4
     pkm_topk: int | None = None
+    classifier_pooling: str | None = None
+    classifier_dropout: float | None = None
 
     def __post_init__(self, **kwargs):
         fields = [*self.__dataclass_fields__, *self.attribute_map]
@@ -152,6 +159,7 @@ FIELD_RULES = {
     "eos_token_id": TOKEN_IDS,
     "pad_token_id": TOKEN_ID,
     "bos_token_id": TOKEN_ID,
+    **CLASSIFIER_RULES,
 }
 
 

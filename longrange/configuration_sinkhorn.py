@@ -14,6 +14,7 @@ import math
 from transformers import PreTrainedConfig
 
 from .configuration_checks import (
+    CLASSIFIER_RULES,
     PKM_TOPK_FITS,
     Requirement,
     check_fields,
@@ -64,7 +65,7 @@ _GENERIC_KEYS = {
 
 class SinkhornConfig(PreTrainedConfig):
     r"""
-    Configuration of [`SinkhornModel`], [`SinkhornForCausalLM`] and [`SinkhornForMaskedLM`].
+    Configuration of [`SinkhornModel`] and its heads (causal and masked LM, sequence and token classification).
 
     Model size
         vocab_size (alias `num_tokens`): number of token ids.
@@ -124,9 +125,8 @@ class SinkhornConfig(PreTrainedConfig):
         reversible: reversible residual layers (Reformer); activations recomputed in backward.
         ff_chunks: the feed-forward runs over this many chunks of the sequence (1 = unchunked).
         weight_tie: the layers share one set of attention and feed-forward weights (ALBERT), each keeping its own
-            LayerNorms, as sinkhorn-transformer's `weight_tie` does; product-key layers keep their own memory. Folders
-            saved while the LayerNorms were shared as well load with every layer starting from those shared norms
-            (the same outputs).
+            LayerNorms, as sinkhorn-transformer's `weight_tie` does; product-key layers keep their own memory (folders
+            saved while the LayerNorms were shared load each layer from the shared norms: the same outputs).
         layer_dropout: probability of skipping a whole layer in training ("Reducing Transformer Depth on Demand").
         pkm_layers: 1-based layer numbers whose feed-forward is replaced by a product-key memory.
         pkm_num_keys, pkm_topk, pkm_heads: product-key memory size (`pkm_num_keys ** 2` slots), slots read per
@@ -183,7 +183,8 @@ class SinkhornConfig(PreTrainedConfig):
             package (whose rotation wraps those tokens to the end). Default False: it routes to null buckets.
 
     Misc: layer_norm_eps, pad/bos/eos_token_id, use_cache (generation cache; causal models only, and by default not
-    in training mode).
+    in training mode); the classification heads' `classifier_pooling` ("last", "mean"; default None: "last" when
+    causal, else "mean") and `classifier_dropout` (token head; default None: 0.1), see longrange/classification.py.
 
     Unknown keywords: the constructor refuses them, naming them (typos). A saved config (`from_dict`, which
     `from_pretrained` and `AutoConfig` use) keeps keys that are not options as attributes, since they were set on
@@ -257,6 +258,8 @@ class SinkhornConfig(PreTrainedConfig):
     causal_null_score: str = "learned"
     null_bucket_copies: bool = False
     shifted_heads_skip_first_bucket: bool = False
+    classifier_pooling: str | None = None
+    classifier_dropout: float | None = None
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -287,9 +290,7 @@ class SinkhornConfig(PreTrainedConfig):
         check_fields(self, FIELD_RULES, PREFIX, also_called={"sort_temperature": "temperature"})
         check_requirements(self, REQUIREMENTS, PREFIX)
 
-    # derived sizes ---------------------------------------------------------------------------------------------
-
-    @property
+    @property  # derived sizes
     def head_dim(self) -> int:
         return self.dim_head if self.dim_head is not None else self.hidden_size // self.num_attention_heads
 
@@ -346,6 +347,7 @@ FIELD_RULES = {
     "causal_null_score": one_of(("learned", "zero")),
     "routing_gradient": one_of(("values", "attention")),
     "simple_sort_net_scores": one_of(("log_relu", "relu")),
+    **CLASSIFIER_RULES,
 }
 
 # options that reproduce sinkhorn-transformer's causal self-attention (longrange convert sets them)

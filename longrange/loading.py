@@ -8,7 +8,9 @@ Here instead (each a clear error naming the folder, the file or the weights):
 - weights of the model body (the base model: embeddings, layers, final norm) that the checkpoint lacks, or body
   weights in the checkpoint that the model built from config.json has no place for: `ValueError` listing them. Both
   mean that config.json does not describe these weights (a field was edited, or is missing and took its default);
-- a weight holding NaN or infinity (a damaged file, or a diverged run): `ValueError` naming it.
+- a weight holding NaN or infinity (a damaged file, or a diverged run): `ValueError` naming it;
+- weights whose shapes differ from the model's (without `ignore_mismatched_sizes=True`): `WeightShapeError`, both
+  a `ValueError` and the `RuntimeError` transformers raises there, naming config fields the folder lacks.
 
 Tolerated as in transformers: a language-model head that the checkpoint lacks (a folder saved from the base model:
 the head starts from its initialisation, and transformers' load report says so), weights the model derives itself
@@ -108,6 +110,11 @@ def check_loaded(model, info: dict, source, hint: str = "") -> None:
         )
 
 
+class WeightShapeError(ValueError, RuntimeError):
+    """Weight shapes that do not match config.json: a ValueError, as every other check here, and a RuntimeError,
+    what transformers itself raises for them (callers catching either keep working)."""
+
+
 def checked_from_pretrained(load, cls, *args, **kwargs):
     """`load(*args, **kwargs)` (transformers' `from_pretrained`) with the checks of this module's docstring; weights
     saved under the names in the class's `_moved_keys` ({old prefix: new prefix}) load under their new names."""
@@ -127,10 +134,11 @@ def checked_from_pretrained(load, cls, *args, **kwargs):
     except RuntimeError as err:
         if "ignore_mismatched_sizes" not in str(err):
             raise
-        raise ValueError(
+        raise WeightShapeError(
             f"{cls.__name__}.from_pretrained({str(source)!r}): weight shapes do not match config.json (the load "
             f"report above lists them): a field of config.json differs from the model the weights were saved from, "
-            f"or is missing and took its default{_missing_fields(source, cls, subfolder)}"
+            f"or is missing and took its default{_missing_fields(source, cls, subfolder)}; a classification head "
+            "loaded with another num_labels starts afresh with ignore_mismatched_sizes=True"
         ) from err
     check_loaded(model, info, source, _missing_fields(source, cls, subfolder))
     return (model, info) if want_info else model
@@ -163,4 +171,4 @@ def rename_moved_keys(state_dict: dict, prefix: str, moved: dict[str, str]) -> N
                 state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
 
 
-__all__ = ["check_loaded", "checked_from_pretrained", "moved_keys", "rename_moved_keys"]
+__all__ = ["WeightShapeError", "check_loaded", "checked_from_pretrained", "moved_keys", "rename_moved_keys"]

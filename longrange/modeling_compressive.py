@@ -22,8 +22,6 @@ with `trust_remote_code=True` where `longrange` is not installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,20 +29,21 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import ModelOutput
 
 # A saved folder's code (trust_remote_code) is copied from the modules this file imports itself: for a local
 # folder some transformers releases (5.5, the floor) do not follow the imports of those modules, so every module
 # a saved model needs is imported here directly (tests/test_checkpoints.py checks the list is complete).
 from .cache_compressive import CompressiveMemoryCache
 from .cache_compressive_static import StaticLayout  # noqa: F401  (see the note above)
-from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
+from .classification import QuestionAnswering, SequenceClassification, TokenClassification
+from .compat import CACHE_NAME, check_assisted_decoding, use_own_cache
 from .compression import COMPRESSION_CLASSES, detached_norm, masked_mse
 from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import FeedForward, attend, blockwise_attention, distance_encodings, put_along, register_fsdp_methods
 from .loading import checked_from_pretrained, map_every_auto_class
+from .outputs import CompressiveCausalLMOutput, CompressiveModelOutput
 from .packing import call_layout
 from .product_key_memory import ProductKeyMemory
 from .segments_compressive import SegmentRunner
@@ -472,38 +471,6 @@ class CompressiveDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@cache_output
-@dataclass
-class CompressiveModelOutput(ModelOutput):
-    """last_hidden_state [batch, seq, hidden]; cache (when use_cache); hidden_states (embeddings + each layer's
-    output, when asked); attentions (with output_attentions: per layer [batch, heads, seq, c_mem_len + mem_len +
-    segment_length], each token's attention over the compressed-memory slots, the memory slots (both newest last)
-    and the positions of its segment; slots not held are zero); reconstruction_loss (training with a
-    reconstruction loss, once compression happened)."""
-
-    last_hidden_state: torch.FloatTensor | None = None
-    cache: CompressiveMemoryCache | None = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
-    attentions: tuple[torch.FloatTensor, ...] | None = None
-    reconstruction_loss: torch.FloatTensor | None = None
-
-
-@cache_output
-@dataclass
-class CompressiveCausalLMOutput(ModelOutput):
-    """loss = lm_loss + reconstruction_loss_weight * reconstruction_loss (what Trainer optimises); lm_loss and
-    reconstruction_loss separately for logging; logits [batch, seq, vocab]; cache; hidden_states; attentions (see
-    CompressiveModelOutput)."""
-
-    loss: torch.FloatTensor | None = None
-    lm_loss: torch.FloatTensor | None = None
-    reconstruction_loss: torch.FloatTensor | None = None
-    logits: torch.FloatTensor | None = None
-    cache: CompressiveMemoryCache | None = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
-    attentions: tuple[torch.FloatTensor, ...] | None = None
-
-
 class CompressivePreTrainedModel(PreTrainedModel):
     config_class = CompressiveConfig
     base_model_prefix = "model"
@@ -524,10 +491,12 @@ class CompressivePreTrainedModel(PreTrainedModel):
         return checked_from_pretrained(super().from_pretrained, cls, *args, **kwargs)
 
     def save_pretrained(self, *args, **kwargs):
-        """transformers' `save_pretrained`; config.json's `auto_map` names both Auto classes (longrange/loading.py)."""
-        map_every_auto_class(
-            self.config, {"AutoModel": CompressiveModel, "AutoModelForCausalLM": CompressiveForCausalLM}
-        )
+        """transformers' `save_pretrained`; config.json's `auto_map` names every Auto class (longrange/loading.py)."""
+        heads = {"AutoModelForCausalLM": CompressiveForCausalLM}
+        heads.update(AutoModelForSequenceClassification=CompressiveForSequenceClassification)
+        heads.update(AutoModelForTokenClassification=CompressiveForTokenClassification)
+        heads.update(AutoModelForQuestionAnswering=CompressiveForQuestionAnswering)
+        map_every_auto_class(self.config, {"AutoModel": CompressiveModel, **heads})
         return super().save_pretrained(*args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -788,8 +757,29 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
         return model_inputs
 
 
+class CompressiveForSequenceClassification(SequenceClassification, CompressivePreTrainedModel):
+    """A label per sequence (longrange/classification.py); its loss includes the reconstruction loss."""
+
+    base_model_class = CompressiveModel
+
+
+class CompressiveForTokenClassification(TokenClassification, CompressivePreTrainedModel):
+    """A label per token (longrange/classification.py); its loss includes the reconstruction loss."""
+
+    base_model_class = CompressiveModel
+
+
+class CompressiveForQuestionAnswering(QuestionAnswering, CompressivePreTrainedModel):
+    """An answer span's start and end (longrange/classification.py); its loss includes the reconstruction loss."""
+
+    base_model_class = CompressiveModel
+
+
 __all__ = [
     "CompressiveForCausalLM",
+    "CompressiveForQuestionAnswering",
+    "CompressiveForSequenceClassification",
+    "CompressiveForTokenClassification",
     "CompressiveModel",
     "CompressivePreTrainedModel",
 ]

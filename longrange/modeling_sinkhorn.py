@@ -43,12 +43,14 @@ from transformers.utils.generic import can_return_tuple
 # folder some transformers releases (5.5, the floor) do not follow the imports of those modules, so every module
 # a saved model needs is imported here directly (tests/test_checkpoints.py checks the list is complete).
 from .cache_sinkhorn import SinkhornCache
+from .classification import QuestionAnswering, SequenceClassification, TokenClassification
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
 from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
 from .layers import ATTENTION_IMPLEMENTATIONS, permute_map, permute_tokens, real_tokens_first
 from .loading import checked_from_pretrained, map_every_auto_class, rename_moved_keys
+from .outputs import SequenceClassifierOutput  # noqa: F401  (see the note above)
 from .packing import call_layout, pop_document_kwargs
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
@@ -212,6 +214,9 @@ class SinkhornPreTrainedModel(PreTrainedModel):
         """transformers' `save_pretrained`; config.json's `auto_map` names every Auto class (longrange/loading.py): a
         causal folder loaded as the masked LM (or the other way) is refused naming the class to use."""
         heads = {"AutoModelForCausalLM": SinkhornForCausalLM, "AutoModelForMaskedLM": SinkhornForMaskedLM}
+        heads.update(AutoModelForSequenceClassification=SinkhornForSequenceClassification)
+        heads.update(AutoModelForTokenClassification=SinkhornForTokenClassification)
+        heads.update(AutoModelForQuestionAnswering=SinkhornForQuestionAnswering)
         map_every_auto_class(self.config, {"AutoModel": SinkhornModel, **heads})
         return super().save_pretrained(*args, **kwargs)
 
@@ -743,9 +748,30 @@ class SinkhornForMaskedLM(_SinkhornLanguageModel):
         )
 
 
+class SinkhornForSequenceClassification(SequenceClassification, SinkhornPreTrainedModel):
+    """A label per sequence (longrange/classification.py), causal or not."""
+
+    base_model_class = SinkhornModel
+
+
+class SinkhornForTokenClassification(TokenClassification, SinkhornPreTrainedModel):
+    """A label per token (longrange/classification.py), causal or not."""
+
+    base_model_class = SinkhornModel
+
+
+class SinkhornForQuestionAnswering(QuestionAnswering, SinkhornPreTrainedModel):
+    """An answer span's start and end (longrange/classification.py); causal or not."""
+
+    base_model_class = SinkhornModel
+
+
 __all__ = [
     "SinkhornForCausalLM",
+    "SinkhornForQuestionAnswering",
     "SinkhornForMaskedLM",
+    "SinkhornForSequenceClassification",
+    "SinkhornForTokenClassification",
     "SinkhornModel",
     "SinkhornPreTrainedModel",
     "SinkhornRouting",

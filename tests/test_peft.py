@@ -66,3 +66,43 @@ def test_lora_with_default_targets_trains_saves_reloads_and_merges(kind, tmp_pat
     prompt = ids[:1, :10]
     tokens = model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False)
     assert torch.equal(tokens, merged.generate(prompt, max_new_tokens=12, do_sample=False))
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_lora_sequence_classification_trains_the_adapters_and_the_new_head(kind, tmp_path):
+    """`task_type="SEQ_CLS"`: LoRA on the default targets, and the freshly initialised head (`score`, the name
+    transformers' heads use, which PEFT trains and saves in full) - the usual way to fine-tune a language model's
+    body for classification."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from longrange import CompressiveForSequenceClassification, SinkhornForSequenceClassification
+
+    classes = {"compressive": CompressiveForSequenceClassification, "sinkhorn": SinkhornForSequenceClassification}
+    base_model(kind).save_pretrained(tmp_path / "lm")
+
+    def classifier():
+        torch.manual_seed(0)
+        return classes[kind].from_pretrained(tmp_path / "lm", num_labels=2, pad_token_id=0)
+
+    model = get_peft_model(classifier(), LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert {n for n in trainable if "lora_" not in n} == {"base_model.model.score.modules_to_save.default.weight"}
+    ids = torch.randint(1, VOCAB, (4, 24), generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1, 1, 0])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(10):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+    model.eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(classifier(), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)

@@ -6,7 +6,10 @@ ours as the reference behaviour (Llama; BERT for the masked model).
   greedy decoding without a cache (a loop of full forwards written here);
 - fill-mask, the masked Sinkhorn model's door, after a few `Trainer` steps with transformers' MLM collator: a padded
   batch of inputs of different lengths; every candidate and score must be the softmax of a forward over that input
-  alone.
+  alone;
+- text and token classification, the classification heads' doors, after a few `Trainer` steps with transformers'
+  padding collators (Llama's heads beside): every label and score of a padded batch must be the softmax of a
+  forward over that text alone.
 """
 
 from __future__ import annotations
@@ -19,16 +22,21 @@ import pytest
 import torch
 from client_utils import SPECIAL, TOKENIZER, causal_models
 from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     BertConfig,
     BertForMaskedLM,
     DataCollatorForLanguageModeling,
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+    LlamaConfig,
     TextIteratorStreamer,
     Trainer,
     TrainingArguments,
     pipeline,
 )
 
-from longrange import SinkhornConfig, SinkhornForMaskedLM
+from longrange import CompressiveConfig, SinkhornConfig, SinkhornForMaskedLM
 
 MODELS = causal_models(max_positions=128)
 PROMPT, NEW_TOKENS = "To be, or not to be: that is the question.", 30  # prompt and answer span several segments
@@ -105,3 +113,64 @@ def test_masked_model_trains_with_the_mlm_collator_and_fill_mask_scores_each_inp
         assert [c["token"] for c in candidates] == tokens.tolist()
         assert [c["score"] for c in candidates] == pytest.approx(scores.tolist(), rel=1e-5)
         assert candidates[0]["sequence"] == text.replace("<mask>", tok.decode([int(tokens[0])]))
+
+
+LABELS = {0: "O", 1: "B-WORD", 2: "I-WORD"}
+CLASSIFIER_CONFIGS = {
+    "llama": lambda: LlamaConfig(**SPECIAL, **SIZES, intermediate_size=64, num_key_value_heads=2),
+    "compressive": lambda: CompressiveConfig(
+        **SPECIAL, **{k: SIZES[k] for k in SIZES if k != "max_position_embeddings"}, intermediate_size=64,
+        segment_length=8, mem_len=8, c_mem_len=4,
+    ),
+    "sinkhorn": lambda: SinkhornConfig(**SPECIAL, **SIZES, bucket_size=8, causal=True),
+    "sinkhorn, non-causal": lambda: SinkhornConfig(**SPECIAL, **SIZES, bucket_size=8, causal=False),
+}  # fmt: skip
+TEXTS = ["Short.", "A longer text that runs over several segments and buckets, padded in the batch.", "Mid-sized one"]
+
+
+def trained_classifier(auto, name: str, collator, data, folder):
+    """A classifier of `name` built through `auto`, after 3 Trainer steps on `data`, saved with the tokenizer."""
+    torch.manual_seed(0)
+    config = CLASSIFIER_CONFIGS[name]()
+    config.id2label, config.label2id = LABELS, {v: k for k, v in LABELS.items()}
+    model = auto.from_config(config)
+    args = TrainingArguments(output_dir=str(folder / "run"), max_steps=3, per_device_train_batch_size=3,
+                             use_cpu=True, report_to=[], save_strategy="no", dataloader_num_workers=0)  # fmt: skip
+    result = Trainer(model=model, args=args, train_dataset=data, data_collator=collator).train()
+    assert math.isfinite(result.training_loss)
+    model.save_pretrained(folder / "model")
+    TOKENIZER.save_pretrained(folder / "model")
+    return folder / "model"
+
+
+@pytest.mark.parametrize("name", list(CLASSIFIER_CONFIGS))
+def test_text_classification_trains_and_scores_each_text_alone(name, tmp_path):
+    data = [{**TOKENIZER(text), "label": i % 3} for i, text in enumerate(TEXTS * 2)]
+    folder = trained_classifier(
+        AutoModelForSequenceClassification, name, DataCollatorWithPadding(TOKENIZER), data, tmp_path
+    )
+    classify = pipeline("text-classification", model=str(folder), trust_remote_code=True, top_k=None)
+    for text, result in zip(TEXTS, classify(TEXTS, batch_size=3)):
+        with torch.no_grad():
+            logits = classify.model(**TOKENIZER(text, return_tensors="pt")).logits[0]
+        expected = {LABELS[i]: p for i, p in enumerate(torch.softmax(logits.double(), -1).tolist())}
+        assert {r["label"]: r["score"] for r in result} == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CLASSIFIER_CONFIGS))
+def test_token_classification_trains_and_labels_each_text_alone(name, tmp_path):
+    def labelled(text):  # B- at a word's first letter, I- inside it, O elsewhere
+        tags = [0 if not c.isalpha() else 1 if i == 0 or not text[i - 1].isalpha() else 2 for i, c in enumerate(text)]
+        return {"input_ids": TOKENIZER(text, add_special_tokens=False)["input_ids"], "labels": tags}
+
+    collator = DataCollatorForTokenClassification(TOKENIZER)
+    folder = trained_classifier(AutoModelForTokenClassification, name, collator, [labelled(t) for t in TEXTS], tmp_path)
+    tag = pipeline("token-classification", model=str(folder), trust_remote_code=True, ignore_labels=[])
+    for text, entities in zip(TEXTS, tag(TEXTS, batch_size=3)):
+        ids = TOKENIZER(text, return_tensors="pt")
+        with torch.no_grad():
+            probs = torch.softmax(tag.model(**ids).logits[0].double(), -1)
+        real = [i for i, t in enumerate(ids["input_ids"][0].tolist()) if t not in TOKENIZER.all_special_ids]
+        assert [e["index"] for e in entities] == real
+        assert [e["entity"] for e in entities] == [LABELS[int(probs[i].argmax())] for i in real]
+        assert [e["score"] for e in entities] == pytest.approx([float(probs[i].max()) for i in real], rel=1e-5)

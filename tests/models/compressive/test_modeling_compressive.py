@@ -1,12 +1,19 @@
 """transformers' common model tests (ModelTesterMixin, ConfigTester, TrainingTesterMixin, from the sdist of the
-installed transformers: `python tools/fetch_transformers_tests.py`) for CompressiveModel and
-CompressiveForCausalLM. Every skip below names the documented design difference it follows."""
+installed transformers: `python tools/fetch_transformers_tests.py`) for CompressiveModel,
+CompressiveForCausalLM and the classification heads. Every skip below names the documented design difference it follows."""
 
 from __future__ import annotations
 
 import unittest
 
-from longrange import CompressiveConfig, CompressiveForCausalLM, CompressiveModel
+from longrange import (
+    CompressiveConfig,
+    CompressiveForCausalLM,
+    CompressiveForQuestionAnswering,
+    CompressiveForSequenceClassification,
+    CompressiveForTokenClassification,
+    CompressiveModel,
+)
 from tests.models.transformers_common import GenerationTesterMixin, list_in_auto_tables, load, without_checked_loading
 
 test_configuration_common, test_modeling_common, test_training_mixin = load(
@@ -85,7 +92,13 @@ class CompressiveModelTester:
 
 
 class CompressiveModelTest(ModelTesterMixin, GenerationTesterMixin, TrainingTesterMixin, unittest.TestCase):
-    all_model_classes = (CompressiveModel, CompressiveForCausalLM)
+    all_model_classes = (
+        CompressiveModel,
+        CompressiveForCausalLM,
+        CompressiveForSequenceClassification,
+        CompressiveForTokenClassification,
+        CompressiveForQuestionAnswering,
+    )
     # transformers runs this check for models added since 2023 (it reads the year from a copyright line, which our
     # files do not have) and for those that opt in
     test_can_init_all_missing_weights_before_2023 = True
@@ -99,6 +112,9 @@ class CompressiveModelTest(ModelTesterMixin, GenerationTesterMixin, TrainingTest
             "compressive",
             MODEL_MAPPING_NAMES="CompressiveModel",
             MODEL_FOR_CAUSAL_LM_MAPPING_NAMES="CompressiveForCausalLM",
+            MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES="CompressiveForSequenceClassification",
+            MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES="CompressiveForTokenClassification",
+            MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES="CompressiveForQuestionAnswering",
         )
 
     def test_config(self):

@@ -1,13 +1,21 @@
 """transformers' common model tests (ModelTesterMixin, ConfigTester, TrainingTesterMixin, from the sdist of the
 installed transformers: `python tools/fetch_transformers_tests.py`) for SinkhornModel, SinkhornForCausalLM
-(causal configs) and SinkhornForMaskedLM (non-causal configs). Every skip below names the documented design
+(causal configs), SinkhornForMaskedLM (non-causal configs) and the classification heads (both). Every skip below names the documented design
 difference it follows."""
 
 from __future__ import annotations
 
 import unittest
 
-from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM, SinkhornModel
+from longrange import (
+    SinkhornConfig,
+    SinkhornForCausalLM,
+    SinkhornForMaskedLM,
+    SinkhornForQuestionAnswering,
+    SinkhornForSequenceClassification,
+    SinkhornForTokenClassification,
+    SinkhornModel,
+)
 from tests.models.transformers_common import GenerationTesterMixin, list_in_auto_tables, load, without_checked_loading
 
 test_configuration_common, test_modeling_common, test_training_mixin = load(
@@ -18,6 +26,9 @@ ModelTesterMixin = test_modeling_common.ModelTesterMixin
 TrainingTesterMixin = test_training_mixin.TrainingTesterMixin
 ids_tensor = test_modeling_common.ids_tensor
 random_attention_mask = test_modeling_common.random_attention_mask
+
+
+CLASSIFIERS = (SinkhornForSequenceClassification, SinkhornForTokenClassification, SinkhornForQuestionAnswering)
 
 
 class SinkhornModelTester:
@@ -103,6 +114,9 @@ class _SinkhornTests(ModelTesterMixin, TrainingTesterMixin):
             MODEL_MAPPING_NAMES="SinkhornModel",
             MODEL_FOR_CAUSAL_LM_MAPPING_NAMES="SinkhornForCausalLM",
             MODEL_FOR_MASKED_LM_MAPPING_NAMES="SinkhornForMaskedLM",
+            MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES="SinkhornForSequenceClassification",
+            MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES="SinkhornForTokenClassification",
+            MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES="SinkhornForQuestionAnswering",
         )
 
     def test_config(self):
@@ -129,12 +143,12 @@ class _SinkhornTests(ModelTesterMixin, TrainingTesterMixin):
 
 class SinkhornCausalModelTest(_SinkhornTests, GenerationTesterMixin, unittest.TestCase):
     causal = True
-    all_model_classes = (SinkhornModel, SinkhornForCausalLM)
+    all_model_classes = (SinkhornModel, SinkhornForCausalLM, *CLASSIFIERS)
 
 
 class SinkhornMaskedModelTest(_SinkhornTests, unittest.TestCase):
     causal = False
-    all_model_classes = (SinkhornModel, SinkhornForMaskedLM)
+    all_model_classes = (SinkhornModel, SinkhornForMaskedLM, *CLASSIFIERS)
 
     def _get_trainable_model_class(self):  # the mixin looks for a causal LM, else takes all_model_classes[0]
         return SinkhornForMaskedLM
