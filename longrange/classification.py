@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .outputs import QuestionAnsweringOutput, SequenceClassifierOutput, TokenClassifierOutput
+from .outputs import ClassifierOutput, QuestionAnsweringOutput
 
 
 def pooling_of(config) -> str:
@@ -64,7 +64,7 @@ def pool(hidden: torch.Tensor, real: torch.Tensor, pooling: str) -> torch.Tensor
 
 
 class _ClassificationHead:
-    """What both heads share; listed before the model's PreTrainedModel class, whose `base_model_class` it heads."""
+    """What the three heads share (listed before the model's PreTrainedModel class; `base_model_class`: its body)."""
 
     base_model_class: type
 
@@ -94,12 +94,21 @@ class _ClassificationHead:
             **kwargs,
         )
 
-    def _with_reconstruction(self, loss, outputs):
-        """The classification loss plus the Compressive model's weighted reconstruction loss (when it has one)."""
+    def _output(self, output_class, outputs, loss, return_dict, **fields):
+        """The head's `output_class`: its loss plus the Compressive model's weighted reconstruction loss (when it has
+        one), the base model's cache, hidden states and attentions, and the head's own `fields`."""
         reconstruction = getattr(outputs, "reconstruction_loss", None)
-        if loss is None or reconstruction is None:
-            return loss
-        return loss + self.config.reconstruction_loss_weight * reconstruction
+        if loss is not None and reconstruction is not None:
+            loss = loss + self.config.reconstruction_loss_weight * reconstruction
+        result = output_class(
+            loss=loss,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            reconstruction_loss=reconstruction,
+            **fields,
+        )
+        return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()
 
 
 class SequenceClassification(_ClassificationHead):
@@ -119,7 +128,7 @@ class SequenceClassification(_ClassificationHead):
         use_cache: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> SequenceClassifierOutput | tuple:
+    ) -> ClassifierOutput | tuple:
         """labels [batch]: class ids (or floats: regression with num_labels=1, multi-label with [batch, num_labels])."""
         outputs = self._body(input_ids, attention_mask, inputs_embeds, cache, past_key_values, use_cache, kwargs)
         hidden = outputs.last_hidden_state
@@ -128,15 +137,7 @@ class SequenceClassification(_ClassificationHead):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
-        result = SequenceClassifierOutput(
-            loss=self._with_reconstruction(loss, outputs),
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            reconstruction_loss=getattr(outputs, "reconstruction_loss", None),
-        )
-        return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()
+        return self._output(ClassifierOutput, outputs, loss, return_dict, logits=logits)
 
 
 class TokenClassification(_ClassificationHead):
@@ -157,22 +158,12 @@ class TokenClassification(_ClassificationHead):
         use_cache: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> TokenClassifierOutput | tuple:
+    ) -> ClassifierOutput | tuple:
         """labels [batch, seq]: a class id per token, -100 where no loss is wanted (padding, sub-word pieces)."""
         outputs = self._body(input_ids, attention_mask, inputs_embeds, cache, past_key_values, use_cache, kwargs)
         logits = self.score(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.config)
-        result = TokenClassifierOutput(
-            loss=self._with_reconstruction(loss, outputs),
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            reconstruction_loss=getattr(outputs, "reconstruction_loss", None),
-        )
-        return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()
+        loss = self.loss_function(logits, labels, self.config) if labels is not None else None
+        return self._output(ClassifierOutput, outputs, loss, return_dict, logits=logits)
 
 
 class QuestionAnswering(_ClassificationHead):
@@ -201,16 +192,8 @@ class QuestionAnswering(_ClassificationHead):
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
-        result = QuestionAnsweringOutput(
-            loss=self._with_reconstruction(loss, outputs),
-            start_logits=start_logits.contiguous(),
-            end_logits=end_logits.contiguous(),
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            reconstruction_loss=getattr(outputs, "reconstruction_loss", None),
-        )
-        return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()
+        fields = dict(start_logits=start_logits.contiguous(), end_logits=end_logits.contiguous())
+        return self._output(QuestionAnsweringOutput, outputs, loss, return_dict, **fields)
 
 
 __all__ = [

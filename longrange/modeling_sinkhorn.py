@@ -50,7 +50,7 @@ from .configuration_sinkhorn import SinkhornConfig
 from .inputs import check_cache, check_labels, check_lm_labels, check_mask, check_tokens
 from .layers import ATTENTION_IMPLEMENTATIONS, permute_map, permute_tokens, real_tokens_first
 from .loading import checked_from_pretrained, map_every_auto_class, rename_moved_keys
-from .outputs import SequenceClassifierOutput  # noqa: F401  (see the note above)
+from .outputs import ClassifierOutput  # noqa: F401  (see the note above)
 from .packing import call_layout, pop_document_kwargs
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence

@@ -50,24 +50,12 @@ class CompressiveCausalLMOutput(ModelOutput):
 
 @cache_output
 @dataclass
-class SequenceClassifierOutput(ModelOutput):
-    """A sequence-classification head's output: loss (with labels: the classification loss, plus
-    reconstruction_loss_weight x reconstruction_loss for the Compressive model); logits [batch, num_labels]; cache
-    (when use_cache: continue the document in the next call); hidden_states; attentions (as the base model's);
-    reconstruction_loss (the Compressive model, training, once memories were compressed)."""
-
-    loss: torch.FloatTensor | None = None
-    logits: torch.FloatTensor | None = None
-    cache: Cache | None = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
-    attentions: tuple[torch.FloatTensor, ...] | None = None
-    reconstruction_loss: torch.FloatTensor | None = None
-
-
-@cache_output
-@dataclass
-class TokenClassifierOutput(ModelOutput):
-    """A token-classification head's output: the fields of SequenceClassifierOutput, logits [batch, seq, num_labels]."""
+class ClassifierOutput(ModelOutput):
+    """A classification head's output: loss (with labels: the classification loss, plus reconstruction_loss_weight x
+    reconstruction_loss for the Compressive model); logits ([batch, num_labels] for a sequence head, [batch, seq,
+    num_labels] for a token head); cache (when use_cache: continue the document in the next call); hidden_states;
+    attentions (as the base model's); reconstruction_loss (the Compressive model, training, once memories were
+    compressed)."""
 
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
@@ -82,7 +70,7 @@ class TokenClassifierOutput(ModelOutput):
 class QuestionAnsweringOutput(ModelOutput):
     """A question-answering head's output: loss (with start and end positions: transformers' span loss, plus the
     Compressive model's weighted reconstruction loss); start_logits, end_logits [batch, seq]; cache;
-    hidden_states; attentions; reconstruction_loss (as SequenceClassifierOutput)."""
+    hidden_states; attentions; reconstruction_loss (as ClassifierOutput)."""
 
     loss: torch.FloatTensor | None = None
     start_logits: torch.FloatTensor | None = None
@@ -94,9 +82,8 @@ class QuestionAnsweringOutput(ModelOutput):
 
 
 __all__ = [
+    "ClassifierOutput",
     "CompressiveCausalLMOutput",
     "CompressiveModelOutput",
     "QuestionAnsweringOutput",
-    "SequenceClassifierOutput",
-    "TokenClassifierOutput",
 ]

@@ -30,6 +30,20 @@ def base_model(kind: str):
     return MODELS[kind]()
 
 
+def train(model, batch: dict, steps: int) -> None:
+    """AdamW steps on the trainable parameters over one batch; the loss must fall."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_lora_with_default_targets_trains_saves_reloads_and_merges(kind, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -41,16 +55,7 @@ def test_lora_with_default_targets_trains_saves_reloads_and_merges(kind, tmp_pat
     assert {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in trainable} == expected_targets
 
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(8):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.1, losses
+    train(model, dict(input_ids=ids, labels=ids), steps=8)
     model.eval()
     with torch.no_grad():
         adapted = model(input_ids=ids).logits
@@ -88,17 +93,7 @@ def test_lora_sequence_classification_trains_the_adapters_and_the_new_head(kind,
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert {n for n in trainable if "lora_" not in n} == {"base_model.model.score.modules_to_save.default.weight"}
     ids = torch.randint(1, VOCAB, (4, 24), generator=torch.Generator().manual_seed(1))
-    labels = torch.tensor([0, 1, 1, 0])
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(10):
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.1, losses
+    train(model, dict(input_ids=ids, labels=torch.tensor([0, 1, 1, 0])), steps=10)
     model.eval()
     with torch.no_grad():
         adapted = model(input_ids=ids).logits
