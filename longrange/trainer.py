@@ -68,7 +68,8 @@ class LongrangeTrainer(Trainer):
     Trainer optimises and logs `outputs.loss` only (for the Compressive model: LM loss + reconstruction loss, which
     the model weights for Trainer's accumulation and processes itself). This subclass collects the two parts per
     step and adds their means to the train and eval logs. It also keeps only the logits for `compute_metrics` (the
-    cache and the loss parts are not predictions), and writes the longrange model card when pushing.
+    cache and the loss parts are not predictions; an answer head's start and end logits), and writes the longrange
+    model card when pushing.
     """
 
     def __init__(self, *args, card: dict | None = None, **kwargs):
@@ -101,7 +102,8 @@ class LongrangeTrainer(Trainer):
         reconstruction = getattr(outputs, "reconstruction_loss", None)
         if reconstruction is not None:
             self._add_aux(phase, "reconstruction_loss", reconstruction)
-        return (loss, {"logits": outputs.logits}) if return_outputs else loss
+        predictions = {name: value for name, value in outputs.items() if name.endswith("logits")}  # answer heads: 2
+        return (loss, predictions) if return_outputs else loss
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         # the divisor of the summed LM loss: the predicted tokens, `labels[..., 1:]` (transformers < 5.10.1 counted

@@ -333,3 +333,36 @@ def test_trainer_accumulation_moves_every_parameter_as_llama(tmp_path, table):
             assert compression and all(big[n].abs().max() > 1e-5 for n in compression)
         for key in big:
             torch.testing.assert_close(accumulated[key], factor * big[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("table", [SEQUENCE, TOKEN, ANSWER], ids=["sequence", "token", "answer"])
+def test_longrange_trainer_logs_the_reconstruction_loss_and_predicts(tmp_path, table):
+    """`LongrangeTrainer` (the Trainer that logs the Compressive loss parts) with each head: the reconstruction loss
+    in the training log, and predictions that are the heads' logits (start and end logits for an answer head)."""
+    from transformers import TrainingArguments
+
+    from longrange.trainer import LongrangeTrainer
+
+    ids = torch.randint(1, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))
+    if table is ANSWER:
+        rows = [{"input_ids": i, "start_positions": torch.tensor(2), "end_positions": torch.tensor(5)} for i in ids]
+    else:
+        rows = [{"input_ids": i, "labels": torch.tensor(1) if table is SEQUENCE else i % LABELS} for i in ids]
+    model = model_of(table, "compressive").train()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=1, use_cpu=True,
+        report_to="none", save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = LongrangeTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2 and all(entry["reconstruction_loss"] > 0 for entry in logged)
+    predictions = trainer.predict(rows).predictions
+    with torch.no_grad():
+        out = model.eval()(input_ids=ids)
+    if table is ANSWER:
+        start, end = predictions
+        torch.testing.assert_close(torch.as_tensor(start), out.start_logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.as_tensor(end), out.end_logits, atol=1e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(torch.as_tensor(predictions), out.logits, atol=1e-5, rtol=1e-4)
