@@ -12,19 +12,22 @@ step of a cache on an accelerator and, with `static_steps=True`, every step take
 tells the cache that every row's new token is real (`SinkhornCache.plan_real_step`), so the host knows whether
 some row starts a bucket, and the other steps skip routing (compiled: one graph for each case).
 
+The calls the model makes on the cache (a prefill, one-token steps, chunks of several tokens) and their bookkeeping
+are `CacheCalls` (cache_sinkhorn_calls.py), mixed into `SinkhornCache`.
+
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 
+from .cache_sinkhorn_calls import CacheCalls, Chunk, DecodingStep, grow_to, static_buffer
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import put_along
 from .sinkhorn_routing import (
@@ -32,16 +35,7 @@ from .sinkhorn_routing import (
     batch_head_index,
     bucket_sums,
     pick_buckets,
-    routing_einsum,
 )
-
-
-def _grow(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    if t.shape[dim] >= size:
-        return t
-    shape = list(t.shape)
-    shape[dim] = size - t.shape[dim]
-    return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
 
 
 def _at_bucket(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor | None:
@@ -63,34 +57,6 @@ def _join_own_bucket(window, own: torch.Tensor, kv) -> None:
 
 def _map_state(state: dict, fn) -> dict:
     return {key: fn(val) if isinstance(val, torch.Tensor) else val for key, val in state.items()}
-
-
-def _static(t: torch.Tensor) -> torch.Tensor:
-    """Mark a cache tensor as living at a fixed address (it is updated in place), so that compiled decoding steps
-    (CUDA graphs included) keep reading and writing it without copies, as transformers' StaticCache does."""
-    if not torch.compiler.is_compiling():
-        torch._dynamo.mark_static_address(t)
-    return t
-
-
-class DecodingStep(NamedTuple):
-    """What a layer needs to know about the decoding step under way (one new token per row).
-
-    position: [b] long, each row's real tokens so far (the new token's position and cache slot - origin);
-    real: [b] bool, whether the row's new token is real (padding enters no summary and moves no position);
-    host: None (a static step), or (positions, reals, epoch) in a host-following step: the same numbers as
-        Python lists and the cache's epoch (working windows built before it are stale);
-    origin: the key/value slot of position 0;
-    routes: False when the host knows that no row's token leads a bucket, so that no head group routes and each
-        keeps its last window (a static step of generate(), see `SinkhornCache.plan_real_step`); True: every
-        static step computes a choice, keeps it where a token leads a bucket, and builds its window."""
-
-    position: torch.Tensor
-    real: torch.Tensor
-    host: tuple | None
-    origin: int
-    routes: bool = True
-    memo: dict | None = None  # the step's index tensors, shared by its head groups (see `RoutingState.step_index`)
 
 
 class RoutingState:
@@ -152,6 +118,10 @@ class RoutingState:
         t = self.tensors
         put_along(t["queries"], 2, position[:, None], q.to(t["queries"].dtype))
         t["q_sum"].add_(q[:, :, 0].float() * real[:, None, None])
+
+    def add_queries(self, q, slot) -> None:
+        """A chunk's queries [b, h, L, d] are kept at their slots [b, L] (the sums follow from them: `rebuild`)."""
+        put_along(self.tensors["queries"], 2, slot, q.to(self.tensors["queries"].dtype))
 
     def _counted(self, position, counted) -> torch.Tensor:
         """How many tokens the running sums hold [b], the new token's (at `position` [b]) included where `counted`:
@@ -273,24 +243,25 @@ class RoutingState:
 
     # -- crop: the state after a shorter prefix --------------------------------------------------------------------
 
-    def rebuild(self, length, keys=None, sk=None, k_valid=None) -> None:
-        """Recompute the routing state of every row from its first `length` [b] cached queries (and keys [b, h, C,
+    def rebuild(self, length, end: int, keys=None, sk=None, k_valid=None) -> None:
+        """Recompute the routing state of every row from its first `length` [b] cached queries (and keys [b, h, end,
         d], in self-attention; cross-attention passes the context's summaries sk, k_valid), as a prefill of those
-        tokens would leave it: used by `SinkhornCache.crop`."""
+        tokens would leave it: used by `SinkhornCache.crop` and chunks. `end`: the slots read, whole buckets
+        holding every row's tokens (not the whole capacity: a chunk's cost follows the tokens so far)."""
         g, t = self.group, self.tensors
         size, off = g.bucket_size, g.offset
-        queries = t["queries"].float()  # [b, h, C, d]
-        b, h, cap, d = queries.shape
-        pos = torch.arange(cap, device=queries.device)
-        bucket = torch.div(pos + off, size, rounding_mode="floor")  # [C]
-        counted = pos[None] < length[:, None]  # [b, C]
+        queries = t["queries"][:, :, :end].float()  # [b, h, end, d]
+        b, h, _, d = queries.shape
+        pos = torch.arange(end, device=queries.device)
+        bucket = torch.div(pos + off, size, rounding_mode="floor")  # [end]
+        counted = pos[None] < length[:, None]  # [b, end]
         if g.skip_first:
             counted = counted & (bucket > 0)
         c = counted.float()
         u = torch.div((length - 1).clamp_min(0) + off, size, rounding_mode="floor")  # the current bucket [b]
         t["q_sum"].copy_((queries * c[:, None, :, None]).sum(2))
         if not g.cross:
-            self._rebuild_key_sums(keys.float(), c, bucket)
+            self._rebuild_key_sums(keys.float(), c)
             sk, k_valid = self.key_summaries(u, length)
         # the choice of the current bucket, made at its leading token
         lead = u * size - off  # [b] (-1: the shifted heads' virtual first token)
@@ -301,17 +272,21 @@ class RoutingState:
             picked_valid = picked_valid & (u > 0)[:, None, None]
         self.keep_route(torch.ones(b, dtype=torch.bool, device=queries.device), idx, picked_valid, weight)
 
-    def _rebuild_key_sums(self, keys, c, bucket) -> None:
-        """Self-attention's key-bucket sums (and running sums) from the cached keys [b, h, C, d] of the counted
-        tokens (c [b, C] float; bucket [C] each slot's key bucket)."""
-        t = self.tensors
-        per_bucket = F.one_hot(bucket, t["k_sum"].shape[2]).float()  # [C, nb]
-        if self.group.running_key_summary:
+    def _rebuild_key_sums(self, keys, c) -> None:
+        """Self-attention's key-bucket sums (and running sums) from the cached keys [b, h, end, d] of the counted
+        tokens (c [b, end] float). Bucket j holds the slots from j * size - offset on: with `offset` zero slots in
+        front, whole buckets of the slots summed."""
+        t, g = self.tensors, self.group
+        if g.running_key_summary:
             weighted = keys * c[:, None, :, None]
-            run = weighted.cumsum(2) / c.cumsum(1).clamp_min(1)[:, None, :, None]
             t["k_run_sum"].copy_(weighted.sum(2))
-            keys = run
-        t["k_sum"].copy_(routing_einsum("bhcd,bc,cn->bhnd", keys, c, per_bucket))
+            keys = weighted.cumsum(2) / c.cumsum(1).clamp_min(1)[:, None, :, None]  # each token's running mean
+        size = g.bucket_size
+        weighted = F.pad(keys * c[:, None, :, None], (0, 0, g.offset, size - g.offset))
+        b, h, n, d = weighted.shape
+        sums = weighted[:, :, : n // size * size].reshape(b, h, n // size, size, d).sum(3)
+        t["k_sum"].zero_()
+        t["k_sum"][:, :, : sums.shape[2]] = sums
 
 
 def _write_null_buckets(keys, values, group) -> None:
@@ -354,8 +329,8 @@ class SinkhornLayerState:
         owner = self.owner
         n, nb, origin = owner.prefill_length, owner.bucket_capacity, owner.origin
         b, _, _, d = k.shape
-        self.keys = _static(k.new_zeros(b, k.shape[1], owner.slots, d))
-        self.values = _static(v.new_zeros(b, v.shape[1], owner.slots, d))
+        self.keys = static_buffer(k.new_zeros(b, k.shape[1], owner.slots, d))
+        self.values = static_buffer(v.new_zeros(b, v.shape[1], owner.slots, d))
         self.keys[:, :, origin : origin + n] = k[:, :, :n].detach()
         self.values[:, :, origin : origin + n] = v[:, :, :n].detach()
         self.groups, self.slices = [], list(slices)
@@ -367,13 +342,13 @@ class SinkhornLayerState:
                     (owner.lengths - 1).clamp_min(0) + record["offset"], owner.bucket_size, rounding_mode="floor"
                 )
                 state = self._routing_state(q[:, s:e], record, u)
-                state["k_sum"] = _grow(record["k_sum"].detach(), 2, nb).clone()
+                state["k_sum"] = grow_to(record["k_sum"].detach(), 2, nb).clone()
                 if "k_run_sum" in record:
                     state["k_run_sum"] = record["k_run_sum"].detach().clone()
                 width = (group.n_top + 1) * owner.bucket_size  # a step's window: the chosen buckets, the own one
                 state["window_keys"], state["window_values"] = (t.new_zeros(b, e - s, width, d) for t in (k, v))
                 state["window_bias"] = q.new_zeros(b, e - s, 1, width)
-                state = RoutingState(group, _map_state(state, _static))
+                state = RoutingState(group, _map_state(state, static_buffer))
             self.groups.append(state)
 
     def _routing_state(self, q, record, u):
@@ -405,7 +380,7 @@ class SinkhornLayerState:
             "k_valid": k_counts > 0,
         }
         u = torch.div((self.owner.lengths - 1).clamp_min(0), self.owner.bucket_size, rounding_mode="floor")
-        self.cross_state = RoutingState(heads, _map_state(self._routing_state(q, record, u), _static))
+        self.cross_state = RoutingState(heads, _map_state(self._routing_state(q, record, u), static_buffer))
 
     @property
     def step(self) -> DecodingStep:
@@ -426,23 +401,63 @@ class SinkhornLayerState:
         """Grow every per-token and per-bucket buffer (eager calls only: shapes change)."""
         if self.keys is not None:
             slots = self.owner.slots
-            self.keys, self.values = (_static(_grow(t, 2, slots)) for t in (self.keys, self.values))
+            self.keys, self.values = (static_buffer(grow_to(t, 2, slots)) for t in (self.keys, self.values))
         for state in self._routing_states():
             for name, dim, size in (("queries", 2, capacity), ("k_sum", 2, bucket_capacity)):
                 if name in state.tensors:
-                    state.tensors[name] = _static(_grow(state.tensors[name], dim, size))
+                    state.tensors[name] = static_buffer(grow_to(state.tensors[name], dim, size))
 
     def _routing_states(self) -> list[RoutingState]:
         return [state for state in [*self.groups, self.cross_state] if state is not None]
 
-    def rebuild(self, lengths: torch.Tensor) -> None:
-        """The routing state after the first `lengths` [b] real tokens of every row (see `SinkhornCache.crop`)."""
+    def rebuild(self, lengths: torch.Tensor, end: int, cross: bool | None = None) -> None:
+        """The routing state after the first `lengths` [b] real tokens of every row, all within the first `end` slots
+        (whole buckets; see `SinkhornCache.crop`): of the self-attention (cross False), the cross-attention (True)
+        or both (None)."""
         origin = self.owner.origin
         for state, (s, e) in zip(self.groups, self.slices):
-            if state is not None:
-                state.rebuild(lengths, keys=self.keys[:, s:e, origin : origin + self.owner.capacity])
-        if self.cross_state is not None:
-            self.cross_state.rebuild(lengths, sk=self.context["sk"], k_valid=self.context["k_valid"])
+            if state is not None and cross is not True:
+                state.rebuild(lengths, end, keys=self.keys[:, s:e, origin : origin + end])
+        if self.cross_state is not None and cross is not False:
+            self.cross_state.rebuild(lengths, end, sk=self.context["sk"], k_valid=self.context["k_valid"])
+
+    @property
+    def chunk(self) -> Chunk | None:
+        """The chunk under way (several new tokens per row), or None (a prefill or a one-token step)."""
+        return self.owner.chunk
+
+    def write_chunk(self, q, k, v):
+        """Self-attention of a chunk: writes the new tokens' keys, values [b, H, L, d] and (each routing group's)
+        queries at their slots -> the queries, keys and values [b, H, T, d] of every token so far, each row's real
+        tokens first in order (as a prefill lays them out), and their mask [b, T]. The local heads keep no queries:
+        theirs before the chunk are zeros (a local head's output at a token depends on its own query only)."""
+        chunk, origin = self.owner.chunk, self.owner.origin
+        put_along(self.keys, 2, origin + chunk.slot, k.to(self.keys.dtype))
+        put_along(self.values, 2, origin + chunk.slot, v.to(self.values.dtype))
+        end = chunk.length
+        queries = []
+        for state, (s, e) in zip(self.groups, self.slices):
+            if state is None:
+                queries.append(q.new_zeros(q.shape[0], e - s, end, q.shape[3]))
+            else:
+                state.add_queries(q[:, s:e], chunk.slot)
+                queries.append(state.tensors["queries"][:, :, :end].to(q.dtype))
+        q_all = torch.cat(queries, dim=1)
+        put_along(q_all, 2, chunk.slot, q)
+        mask = torch.arange(end, device=q.device) < chunk.lengths[:, None]
+        return q_all, self.keys[:, :, origin : origin + end], self.values[:, :, origin : origin + end], mask
+
+    def chunk_context(self, q):
+        """Cross-attention of a chunk: writes the new tokens' queries [b, h, L, d] -> the queries [b, h, T, d] of
+        every token so far (see `write_chunk`), their mask [b, T], and the context's keys, values [b, h, Lc, d] and
+        mask [b, Lc] as the prefill kept them."""
+        chunk, state, context = self.owner.chunk, self.cross_state, self.context
+        state.add_queries(q, chunk.slot)
+        q_all = state.tensors["queries"][:, :, : chunk.length].to(q.dtype)
+        mask = torch.arange(chunk.length, device=q.device) < chunk.lengths[:, None]
+        b, h, nk, size, d = context["bk"].shape
+        keys, values = (context[name].reshape(b, h, nk * size, d) for name in ("bk", "bv"))
+        return q_all, mask, keys, values, context["bm"].reshape(b, nk * size)
 
     def _apply(self, fn):
         if self.keys is not None:
@@ -453,7 +468,7 @@ class SinkhornLayerState:
             self.context = _map_state(self.context, fn)
 
 
-class SinkhornCache(Cache):
+class SinkhornCache(CacheCalls, Cache):
     """Generation cache of a causal Sinkhorn model.
 
     Static shapes: every buffer is preallocated to `max_cache_len` tokens (generate() passes its maximum length;
@@ -463,6 +478,8 @@ class SinkhornCache(Cache):
     a row's outputs do not depend on its padding or on the other rows. Each new token costs attention over its
     own bucket, `n_top_buckets` chosen buckets (and the local window for local heads), not the sequence.
 
+    Several new tokens per row run as one chunk (`begin_chunk`: the layers attend over every token so far, which
+    the cache holds, then rebuild their routing state) or, a few on a long cache, one at a time (`takes_chunk`).
     `crop` rebuilds the routing state of a shorter prefix from the cached queries and keys (assisted and
     prompt-lookup decoding). An eager call that needs more room than `max_cache_len` grows the buffers (in whole
     buckets, up to `max_position_embeddings`). Steps of a CPU cache follow the host (`follows_host`, see the
@@ -509,6 +526,7 @@ class SinkhornCache(Cache):
         # while attention maps are asked for (output_attentions): (embeddings [b, n, e], position ids [b, n],
         # context, context mask) of every token given so far, for the maps of later cached steps
         self.recorded = None
+        self.chunk: Chunk | None = None  # during a call with several new tokens per row (begin_chunk)
 
     # -- bookkeeping used by the model -------------------------------------------------------------------------
 
@@ -521,84 +539,6 @@ class SinkhornCache(Cache):
         """Key/value slots per layer, whole buckets: the null buckets (and the shifted heads' virtual token), the
         positions and slack for bucket views."""
         return self.origin - 1 + self.capacity + 3 * self.bucket_size
-
-    def reserve(self, total: int) -> None:
-        """Make room for `total` tokens (padding included): eager calls only, in whole buckets."""
-        if total <= self.capacity:
-            return
-        limit = self.config.max_position_embeddings
-        if total > limit:
-            raise ValueError(f"SinkhornModel: sequence length {total} exceeds max_position_embeddings ({limit})")
-        capacity = min(max(total, 2 * self.capacity), limit)
-        self.capacity = math.ceil(capacity / self.bucket_size) * self.bucket_size
-        self._max_len = max(self._max_len, total)
-        if self.token_mask is not None:
-            self.token_mask = _static(_grow(self.token_mask, 1, self.capacity))
-            for layer in self.layers:
-                layer.resize(self.capacity, self.bucket_capacity)
-
-    def begin_prefill(self, mask: torch.Tensor) -> None:
-        b, n = mask.shape
-        self.reserve(n)
-        self.token_mask = _static(torch.zeros(b, self.capacity, dtype=torch.bool, device=mask.device))
-        self.token_mask[:, :n] = mask
-        self.lengths = _static(mask.sum(1))
-        self.seen = _static(torch.full((), n, dtype=torch.long, device=mask.device))  # (no host copy)
-        self._seen_host = n
-        self.prefill_length = n
-        self.on_host = mask.device.type == "cpu" and not self.static_steps
-        self.host_epoch += 1
-
-    def end_prefill(self) -> None:
-        self.prefilled = True
-
-    def begin_step(self, real: torch.Tensor) -> None:
-        if not torch.compiler.is_compiling() and self._seen_host is not None:
-            self.reserve(self._seen_host + 1)
-        self.step_real, self.step_host, self.step_memo = real, None, {}
-        if self.follows_host:
-            self._window_epoch = None  # host-following steps keep windows of their own
-            if self._compiled_step:
-                self.host_epoch, self._compiled_step = self.host_epoch + 1, False
-            self.step_host = (self.lengths.tolist(), real.tolist())
-        put_along(self.token_mask, 1, self.seen.view(1, 1).expand(real.shape[0], 1), real[:, None])
-
-    def plan_real_step(self) -> None:
-        """generate()'s word before a one-token step: every row's new token is real. The host then knows each row's
-        position (padding read back once per change of the state) and whether a row leads a bucket of either
-        offset; the other steps neither route nor rebuild windows (`DecodingStep.routes`; compiled: a graph each)."""
-        seen = self.get_seq_length()
-        if self._pads_host is None or self._pads_host[0] != self.host_epoch:
-            self._pads_host = (self.host_epoch, [seen - n for n in self.lengths.tolist()])
-        size, kept = self.bucket_size, self._window_epoch == self.host_epoch
-        leads = any((seen - pad + off) % size == 0 for pad in self._pads_host[1] for off in (0, 1))
-        self.step_routes, self._window_epoch = leads or not kept, self.host_epoch
-
-    def end_step(self, real: torch.Tensor) -> None:
-        self.lengths.add_(real.long())
-        self.seen.add_(1)
-        self.step_real = self.step_host = self.step_memo = self.step_routes = None
-        if torch.compiler.is_compiling():
-            self._seen_host = None
-            self._compiled_step = True  # (written, never read, in the graph: no guard on it)
-        elif self._seen_host is not None:
-            self._seen_host += 1
-
-    @property
-    def step(self) -> DecodingStep:
-        """The decoding step under way (between `begin_step` and `end_step`)."""
-        host, routes = None if self.step_host is None else (*self.step_host, self.host_epoch), self.step_routes
-        return DecodingStep(self.lengths, self.step_real, host, self.origin, routes is not False, self.step_memo)
-
-    @property
-    def host_seq_length(self) -> int | None:
-        """Tokens given so far, padding included, as the host knows them (None after compiled steps)."""
-        return self._seen_host
-
-    @property
-    def follows_host(self) -> bool:
-        """Whether this step reads positions on the host (see the class docstring): a CPU cache, not compiling."""
-        return not torch.compiler.is_compiling() and self.on_host
 
     # -- Cache API ----------------------------------------------------------------------------------------------
 
@@ -650,7 +590,7 @@ class SinkhornCache(Cache):
         self.host_epoch += 1
 
         def remap(t):  # the new tensors are updated in place too
-            return _static(fn(t))
+            return static_buffer(fn(t))
 
         self.lengths = remap(self.lengths)
         self.token_mask = remap(self.token_mask)
@@ -700,5 +640,6 @@ class SinkhornCache(Cache):
         self.seen.fill_(keep)
         self._seen_host = keep
         self.host_epoch += 1
+        end = max(math.ceil(keep / self.bucket_size), 1) * self.bucket_size
         for layer in self.layers:
-            layer.rebuild(self.lengths)
+            layer.rebuild(self.lengths, end)

@@ -43,6 +43,7 @@ from transformers.utils.generic import can_return_tuple
 # folder some transformers releases (5.5, the floor) do not follow the imports of those modules, so every module
 # a saved model needs is imported here directly (tests/test_checkpoints.py checks the list is complete).
 from .cache_sinkhorn import SinkhornCache
+from .cache_sinkhorn_calls import CacheCalls  # noqa: F401  (see the note above)
 from .classification import QuestionAnswering, SequenceClassification, TokenClassification
 from .compat import CACHE_NAME, cache_output, check_assisted_decoding, use_own_cache
 from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
@@ -343,8 +344,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
         _check_context(config, encoder_hidden_states, cache)
         stepping = cache is not None and cache.prefilled
         attention_mask = _check_length_and_mask(config, attention_mask, batch, length, cache if stepping else None)
-        if stepping and (output_attentions or length > 1):
-            # sinkhorn_steps.py: attention maps (slow, only when asked) or several new tokens one at a time (exact)
+        if stepping and (output_attentions or (length > 1 and not cache.takes_chunk(length))):
+            # sinkhorn_steps.py: attention maps (slow, only when asked) or a few new tokens one at a time
             step = step_with_attentions if output_attentions else tokens_one_at_a_time
             args = (input_ids, inputs_embeds, attention_mask, position_ids, cache, output_hidden_states)
             return SinkhornModelOutput(**step(self, *args))
@@ -370,7 +371,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
         hidden = self._final(permute_tokens(hidden[:, :length], back))  # [b, L, emb] in the given order
 
         if stepping:
-            cache.end_step(mask[:, 0])
+            cache.end_step(mask[:, 0]) if length == 1 else cache.end_chunk()
         elif cache is not None:
             cache.end_prefill()
         context_length = encoder_hidden_states.shape[1] if context is not None else None
@@ -396,9 +397,10 @@ class SinkhornModel(SinkhornPreTrainedModel):
 
         Buckets start at each row's first real token: the real tokens of every row move to the front, in order,
         so a row's outputs depend neither on its padding nor on the other rows (`real_tokens_first`); then the
-        sequence is padded to whole buckets (L' >= L). A cached step's one token needs neither."""
+        sequence is padded to whole buckets (L' >= L). New tokens on a filled cache need neither: one token per row
+        is a decoding step, several a chunk (the cache lays them out, see `SinkhornCache.begin_chunk`)."""
         if stepping:
-            cache.begin_step(mask[:, 0])
+            cache.begin_step(mask[:, 0]) if mask.shape[1] == 1 else cache.begin_chunk(mask)
             return hidden, mask, None
         if cache is not None:
             cache.begin_prefill(mask)

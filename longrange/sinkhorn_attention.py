@@ -4,7 +4,9 @@ Self-attention splits its heads into groups, each a contiguous slice: [local | S
 ordinary | shifted]). A full-sequence call runs every group (the two causal Sinkhorn groups in one `causal_pair`
 pass when they can) and hands what the generation cache needs to the layer's cache; a decoding step asks the
 cache for the bank of cached keys/values with the new token written (`SinkhornLayerState.update`) and lets each
-group attend one token. Cross-attention attends a bucketed context (`encoder_hidden_states`).
+group attend one token. Several new tokens on a filled cache (a chunk) are written to the cache and attend as in
+a full-sequence call over every token so far, which the cache holds. Cross-attention attends a bucketed context
+(`encoder_hidden_states`).
 
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
@@ -20,6 +22,7 @@ from torch import nn
 from .configuration_sinkhorn import SinkhornConfig
 from .layers import ATTENTION_IMPLEMENTATIONS, unit_output
 from .sinkhorn_heads import CausalContextHeads, CausalSinkhornHeads, LocalHeads, SinkhornHeads, causal_pair
+from .sinkhorn_routing import BucketMask
 
 
 def attention_implementation(config: SinkhornConfig) -> str:
@@ -96,6 +99,12 @@ def _sinkhorn_heads(config: SinkhornConfig, count: int, impl: str) -> SinkhornHe
     )
 
 
+def at_slots(out: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The rows [b, H, L, d] of out [b, H, T, d] at each row's slots [b, L] (a chunk's tokens, see `_chunk`)."""
+    b, h, _, d = out.shape
+    return out.gather(2, slot[:, None, :, None].expand(b, h, slot.shape[1], d))
+
+
 def _head_groups(config: SinkhornConfig) -> list[tuple[nn.Module, int]]:
     """(group, head count) in head order, groups without heads left out: local heads, then the Sinkhorn heads
     (causal: half ordinary, the other half, one more when odd, shifted)."""
@@ -168,10 +177,11 @@ class SinkhornSelfAttention(_Projections):
         q = self._heads(self.to_q(hidden_states))  # [b, H, L, d]
         k, v = self._keys_values(hidden_states)
         if layer_cache is not None and layer_cache.is_stepping:
-            return self._output(self._step(q, k, v, layer_cache))
+            step = self._step if layer_cache.chunk is None else self._chunk
+            return self._output(step(q, k, v, layer_cache))
         return self._output(self._full(q, k, v, attention_mask, layer_cache, attn_weights))
 
-    def _full(self, q, k, v, mask, layer_cache, attn_weights):
+    def _full(self, q, k, v, mask, layer_cache, attn_weights, first: int = 0):
         """Every group over the whole sequence (q, k, v [b, H, L, d]) -> [b, H, L, d]; the groups' records go to
         the cache (a prefill), their maps and routing to `attn_weights`."""
         records = [None] * len(self.groups) if layer_cache is None else [{} for _ in self.groups]
@@ -184,10 +194,12 @@ class SinkhornSelfAttention(_Projections):
                 pair_looks = None if attn_weights is None else [looks[i] for i in run]
                 plain, shifted = (self.groups[i] for i in run)
                 qs, ks, vs = q[:, s:e], k[:, s:e], v[:, s:e]
-                outs.append(causal_pair(plain, shifted, qs, ks, vs, mask, pair_records, pair_looks))
+                outs.append(causal_pair(plain, shifted, qs, ks, vs, mask, pair_records, pair_looks, first))
             else:
                 group, i = self.groups[run[0]], run[0]
-                outs.append(group(q[:, s:e], k[:, s:e], v[:, s:e], mask, record=records[i], attn_weights=looks[i]))
+                chunk = {"first": first} if first and not isinstance(group, LocalHeads) else {}  # (local: all, cheap)
+                qs, ks, vs = q[:, s:e], k[:, s:e], v[:, s:e]
+                outs.append(group(qs, ks, vs, mask, record=records[i], attn_weights=looks[i], **chunk))
         if layer_cache is not None:
             layer_cache.fill_self(q, k, v, records, self.groups, self.slices)
         if attn_weights is not None:
@@ -219,6 +231,15 @@ class SinkhornSelfAttention(_Projections):
             "route_weight": torch.cat(weights, dim=1),
             "offset": torch.tensor(offsets, device=device),
         }
+
+    def _chunk(self, q, k, v, layer_cache):
+        """Several new tokens per row (q, k, v [b, H, L, d]) on a filled cache -> [b, H, L, d]: the cache keeps the
+        queries, keys and values of every token so far, so the new tokens attend as in a forward over all of them
+        (one pass, exact), and the routing state follows from the cached queries and keys (as after `crop`)."""
+        q_all, k_all, v_all, mask = layer_cache.write_chunk(q, k, v)
+        out = self._full(q_all, k_all, v_all, BucketMask(mask), None, None, layer_cache.chunk.first)  # [b, H, T, d]
+        layer_cache.rebuild(layer_cache.chunk.lengths, layer_cache.chunk.length, cross=False)
+        return at_slots(out, layer_cache.chunk.slot)
 
     def _step(self, q, k, v, layer_cache):
         """One new token per row (q, k, v [b, H, 1, d]) on a filled cache -> [b, H, 1, d]."""
@@ -277,7 +298,11 @@ class SinkhornCrossAttention(_Projections):
         """hidden_states [b, L, e], context [b, Lc, e] -> [b, L, e]. attn_weights: a dict that receives "map"
         [b, H, L, context length]. A decoding step reads the context from the cache, which a prefill filled."""
         q = self._heads(self.to_q(hidden_states))
-        if layer_cache is not None and layer_cache.is_stepping:
+        if layer_cache is not None and layer_cache.is_stepping and layer_cache.chunk is not None:
+            q_all, mask, k, v, k_mask = layer_cache.chunk_context(q)  # as SinkhornSelfAttention._chunk
+            out = at_slots(self.heads(q_all, k, v, BucketMask(mask), k_mask=k_mask), layer_cache.chunk.slot)
+            layer_cache.rebuild(layer_cache.chunk.lengths, layer_cache.chunk.length, cross=True)
+        elif layer_cache is not None and layer_cache.is_stepping:
             out = self.heads.cross_step(q, layer_cache.step, layer_cache.cross_state, layer_cache.context)
         else:
             k, v = self._keys_values(context)  # [b, H, Lc, d]

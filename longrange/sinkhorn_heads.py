@@ -408,10 +408,11 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
 
     # -- full sequence -----------------------------------------------------------------------------------------
 
-    def forward(self, q, k, v, mask, k_mask=None, record=None, attn_weights=None):
+    def forward(self, q, k, v, mask, k_mask=None, record=None, attn_weights=None, first: int = 0):
         """q, k, v: [b, h, L, d] (L a multiple of bucket_size); mask: [b, L] real query tokens;
         k_mask: context mask for cross-attention (self-attention uses `mask`). `record`: a dict that receives
-        what the generation cache needs; `attn_weights`: one that receives the attention map and the routing."""
+        what the generation cache needs; `attn_weights`: one that receives the attention map and the routing.
+        `first`: a chunk's first token; the outputs of the query buckets before its bucket are not computed (zeros)."""
         size, off = self.bucket_size, self.offset
         length = q.shape[2]
         if off:
@@ -420,14 +421,15 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
             pad = (off, size - off)
             mask = bucket_mask(mask).terms(("shifted", pad), lambda m: BucketMask(F.pad(m, pad, value=False)))
         null = None if self.cross else (self.null_keys[None], self.null_values[None])
-        out = self.bucketed(q, k, v, mask, k_mask, record, null, attn_weights)
+        first = (first + off) // size if first else 0  # (bucket 0 holds only the virtual token when size is 1)
+        out = self.bucketed(q, k, v, mask, k_mask, record, null, attn_weights, first)
         if record is not None:
             record["offset"] = off
         if attn_weights is not None:
             trim_weights(attn_weights, off, length, None if self.cross else self.n_top)
         return out[:, :, off : off + length]
 
-    def bucketed(self, q, k, v, mask, k_mask, record, null, attn_weights=None):
+    def bucketed(self, q, k, v, mask, k_mask, record, null, attn_weights=None, first: int = 0):
         """The attention over buckets of already shifted inputs (length a multiple of bucket_size), output not
         trimmed. null: (null keys, null values) [b or 1, h, n_null, d] for self-attention, None for cross.
         attn_weights: receives the map [b, h, L, L + n_null] (self-attention: the null buckets' keys in the last
@@ -435,13 +437,22 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
 
         Steps: the query summaries at each bucket's leading token; the candidate bank and the sort net's scores;
         the routing choice; gathering the chosen buckets; attention (self: chosen buckets plus the own bucket,
-        causal); what the generation cache keeps."""
+        causal); what the generation cache keeps. A chunk (`first` > 0, no record, no maps) gathers and attends
+        only the query buckets from `first` on: the routing of every bucket is cheap, attending them is not."""
         b, h, lq, d = q.shape
         bq = q.reshape(b, h, lq // self.bucket_size, self.bucket_size, d)  # [b, h, n, B, d]
         terms = CausalTerms.of(self, mask, q.dtype)  # the same in every layer (see BucketMask)
         q_sums, sq = self._query_summaries(q, bq, terms)
         bank = self._bank(sq, k, v, terms, k_mask, null)
         idx, picked_valid, scale = self._select(bank.scores, bank.valid, bank.n_sel)  # [b, h, n, n_sel]
+        if first:  # a chunk's query buckets
+            bq, idx, picked_valid, terms = (
+                bq[:, :, first:],
+                idx[:, :, first:],
+                picked_valid[:, :, first:],
+                terms.from_bucket(first),
+            )
+            scale = None if scale is None else scale[:, :, first:]
         # the chosen buckets' keys, values, mask [b, h, n, n_sel * B(, d)]
         routed = self._gather_chosen(bank, idx, picked_valid, scale, terms)
         placed = None
@@ -450,7 +461,7 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         out = self._attend(bq, routed, bank, terms, placed, attn_weights, k.shape[2])
         if record is not None:
             self._record(record, q_sums, terms.counted, idx, picked_valid, scale, bank, k)
-        return out.reshape(b, h, lq, d)
+        return F.pad(out.reshape(b, h, -1, d), (0, 0, first * self.bucket_size, 0))
 
     def _query_summaries(self, q, bq, terms: CausalTerms):
         """-> the per-bucket query sums [b, h, n, d] of the counted tokens and, per bucket, the mean of the queries
@@ -673,7 +684,7 @@ def trim_weights(attn_weights: dict, off: int, length: int, n_null: int | None, 
 
 
 def causal_pair(
-    plain: CausalSinkhornHeads, shifted: CausalSinkhornHeads, q, k, v, mask, records=None, attn_weights=None
+    plain: CausalSinkhornHeads, shifted: CausalSinkhornHeads, q, k, v, mask, records=None, attn_weights=None, first=0
 ):
     """The ordinary and the shifted causal Sinkhorn heads of a layer in ONE pass, with the numbers of two
     `forward` calls and half their kernel launches. The batch is doubled: its first half holds the ordinary heads'
@@ -681,7 +692,7 @@ def causal_pair(
     second half the shifted heads' rows, padded as in `forward`. Needs equal head counts.
 
     q, k, v: [b, 2h, L, d] (ordinary heads first); mask: [b, L]; records, attn_weights: None or one dict per
-    group."""
+    group; first: a chunk's first token (see `CausalSinkhornHeads.forward`)."""
     size, h, off = plain.bucket_size, plain.num_heads, shifted.offset
     b, _, length, _ = q.shape
     pads = ((0, size), (off, size - off))
@@ -700,7 +711,8 @@ def causal_pair(
     )  # each group's null buckets for its rows
     record = {} if records is not None else None
     both = {} if attn_weights is not None else None
-    out = plain.bucketed(stack(q), stack(k), stack(v), masks, None, record, null, both)  # [2b, h, L + size, d]
+    first = first // size  # the first query bucket of either half (the shifted heads' may be one later)
+    out = plain.bucketed(stack(q), stack(k), stack(v), masks, None, record, null, both, first)  # [2b, h, L + size, d]
     if attn_weights is not None:
         for half, group, target in ((slice(0, b), plain, attn_weights[0]), (slice(b, 2 * b), shifted, attn_weights[1])):
             target.update(both)

@@ -121,6 +121,12 @@ class CausalTerms(NamedTuple):
         own_bias = additive(own_m, dtype)
         return cls(*common, index, valid, bank_mask, n_null + bucket, own_bias, running, within)
 
+    def from_bucket(self, first: int) -> CausalTerms:
+        """The terms that `CausalSinkhornHeads._gather_chosen` and `_attend` read per query bucket, for the query
+        buckets from `first` on (a chunk attends those only)."""
+        own = None if self.own is None else self.own[first:]
+        return self._replace(own=own, own_bias=None if self.own_bias is None else self.own_bias[:, :, first:])
+
 
 class SortTerms(NamedTuple):
     """What a non-causal head group derives from its padding masks alone: the float32 weights [b, n, B] and counts

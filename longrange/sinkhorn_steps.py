@@ -1,6 +1,6 @@
-"""New tokens on top of a filled Sinkhorn cache, outside the one-token step of `SinkhornModel.forward`: several
-tokens at once (assisted decoding's candidates, a chunked prompt) and steps that return attention maps. Functions
-of the model, which call its forward; they return the fields of its output.
+"""New tokens on top of a filled Sinkhorn cache outside `SinkhornModel.forward`'s own paths (one token, or a chunk
+of several in one pass): a few tokens on a long cache one at a time, and steps that return attention maps.
+Functions of the model, which call its forward; they return the fields of its output.
 
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """
@@ -17,7 +17,8 @@ def position_ids(mask: torch.Tensor, before) -> torch.Tensor:
 
 
 def tokens_one_at_a_time(model, input_ids, inputs_embeds, attention_mask, positions, cache, hidden_states: bool):
-    """Several new tokens on a filled cache, fed one at a time (exact; a cached forward takes one token per row).
+    """Several new tokens on a filled cache, fed one at a time: what a few tokens on a long cache cost least as
+    (see `SinkhornCache.takes_chunk`).
     Returns the output fields: last_hidden_state [b, L, emb], the cache and, when `hidden_states`, every layer's
     hidden states [b, L, hidden] over the L tokens (each step's, joined)."""
 

@@ -247,6 +247,40 @@ def test_cached_greedy_generation_equals_uncached_recomputation(options, lengths
     greedy_reference(model, ids, mask, result, new_tokens)
 
 
+@PROPERTY_SETTINGS
+@given(
+    options=sinkhorn_options(causal=True),
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=3),
+    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    seed=seeds,
+)
+def test_chunks_on_a_filled_cache_equal_the_uncached_forward(options, lengths, chunks, seed):
+    """A left-padded prompt, then several tokens at a time on its cache (a fifth of them padding, anywhere), each
+    call one chunk (`SinkhornCache.begin_chunk`): the logits at every real token equal one forward over everything
+    without a cache."""
+    model = build(options, seed)
+    vocab = options["vocab_size"]
+    generator = torch.Generator().manual_seed(seed)
+    prompt, prompt_mask, _ = pad_rows([random_ids(generator, vocab, (n,)) for n in lengths], "left", vocab, generator)
+    more = random_ids(generator, vocab, (len(lengths), sum(chunks)))
+    more_mask = (torch.rand(more.shape, generator=generator) < 0.8).long()
+    ids, mask = torch.cat([prompt, more], 1), torch.cat([prompt_mask, more_mask], 1)
+    assert ids.shape[1] <= MAX_TOKENS
+    cache = SinkhornCache(model.config)
+    cache.chunk_ratio = MAX_TOKENS  # every call of several tokens is a chunk
+    with torch.no_grad():
+        logits = [model(prompt, attention_mask=prompt_mask, cache=cache, use_cache=True).logits]
+        start = prompt.shape[1]
+        for size in chunks:
+            step_mask = mask[:, : start + size]
+            out = model(ids[:, start : start + size], attention_mask=step_mask, cache=cache, use_cache=True)
+            logits.append(out.logits)
+            start += size
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(logits, 1)[real], full[real], rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # (4) padding and batch mates never change a row
 # ---------------------------------------------------------------------------------------------------------------

@@ -290,13 +290,18 @@ def test_crop_restores_the_state_of_a_cache_built_from_the_first_tokens(variant)
             torch.testing.assert_close(after_crop[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
 
 
-def test_crop_restores_cross_attention_routing():
-    model = causal_lm(seed=13, receives_context=True, context_bucket_size=3, n_top_buckets=2)
+def cross_attending(seed):
+    """A causal model with cross-attention and a batch of 2 contexts (the first padded) -> model, forward kwargs."""
+    model = causal_lm(seed=seed, receives_context=True, context_bucket_size=3, n_top_buckets=2)
     context = torch.randn(2, 10, TINY["hidden_size"])
     context_mask = torch.ones(2, 10, dtype=torch.long)
     context_mask[0, 7:] = 0
+    return model, dict(encoder_hidden_states=context, encoder_attention_mask=context_mask)
+
+
+def test_crop_restores_cross_attention_routing():
+    model, ctx = cross_attending(seed=13)
     ids, mask = left_pad(prompts_of([12, 5], seed=14))
-    ctx = dict(encoder_hidden_states=context, encoder_attention_mask=context_mask)
     nxt = torch.randint(1, 40, (2, 1))
     with torch.no_grad():
         cache = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True, **ctx).cache
@@ -332,3 +337,96 @@ def test_crop_rejects_impossible_lengths():
         cache.crop(-7)
     with pytest.raises(ValueError, match="cannot keep"):
         cache.crop(9)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# chunks: several new tokens on a filled cache (a chunked prompt, a chat's next turn, assisted decoding's candidates)
+# ------------------------------------------------------------------------------------------------------------------
+
+CHUNK_VARIANTS = {**VARIANTS, "weighted-keys": dict(n_top_buckets=2, weight_routed_keys=True)}
+
+
+def fed_in_chunks(model, ids, mask, sizes, **kwargs):
+    """Logits and last-layer hidden states of `ids` fed as a prefill then chunks of `sizes` on its cache, joined."""
+    logits, hidden, cache, start = [], [], None, 0
+    with torch.no_grad():
+        for size in sizes:
+            end = start + size
+            out = model(
+                ids[:, start:end], attention_mask=mask[:, :end], cache=cache, use_cache=True,
+                output_hidden_states=True, **(kwargs if cache is None else {}),
+            )  # fmt: skip
+            logits.append(out.logits)
+            hidden.append(out.hidden_states[-1])
+            cache, start = out.cache, end
+    return torch.cat(logits, 1), torch.cat(hidden, 1), cache
+
+
+@pytest.mark.parametrize("path", ["chunk", "steps"])
+@pytest.mark.parametrize("variant", sorted(CHUNK_VARIANTS))
+def test_chunks_on_a_filled_cache_equal_the_uncached_forward(variant, path, monkeypatch):
+    monkeypatch.setattr(SinkhornCache, "chunk_ratio", 10**6 if path == "chunk" else 0)  # 0: one token at a time
+    model = causal_lm(seed=21, **CHUNK_VARIANTS[variant])
+    ids, mask = left_pad(prompts_of([7, 3], seed=22))
+    more = torch.randint(1, 40, (2, 30))
+    more_mask = torch.ones(2, 30, dtype=torch.long)
+    more_mask[1, 8:10] = 0  # padding inside a chunk of row 1 (dropped, as a forward drops it)
+    more_mask[0, 20] = 0
+    ids, mask = torch.cat([ids, more], 1), torch.cat([mask, more_mask], 1)
+    sizes = [5, 4, 1, 9, 2, 7, 1, 1, 1, 6]  # chunks that start and end inside and across buckets of 4
+    chunked, hidden, cache = fed_in_chunks(model, ids, mask, sizes)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
+    real = mask.bool()
+    torch.testing.assert_close(chunked[real], full.logits[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden[real], full.hidden_states[-1][real], rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == ids.shape[1]
+    assert cache.lengths.tolist() == mask.sum(1).tolist()
+
+
+def test_a_chunk_runs_each_layer_once_and_a_few_tokens_on_a_long_cache_step():
+    model = causal_lm(seed=23, max_position_embeddings=512, **VARIANTS["local+shifted"])
+    calls = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(1, 40, (1, 330))
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        cache = model(ids[:, :10], use_cache=True).cache
+        calls.clear()
+        model(ids[:, 10:300], cache=cache, use_cache=True)  # 290 tokens on 10: one chunk
+        assert len(calls) == layers
+        calls.clear()
+        cache.chunk_ratio = 128  # (the default, 512, would take 2 tokens on 300 as a chunk)
+        model(ids[:, 300:302], cache=cache, use_cache=True)  # 2 tokens on 300: 2 * 128 < 302, two steps
+        assert len(calls) == 2 * layers
+        calls.clear()
+        model(ids[:, 302:305], cache=cache, use_cache=True)  # 3 tokens on 302: 3 * 128 >= 305, one chunk
+        assert len(calls) == layers
+        after = model(ids[:, 305:306], cache=cache, use_cache=True).logits  # a step on the rebuilt state
+        full = model(ids[:, :306], use_cache=False).logits
+    assert cache.get_seq_length() == 306
+    torch.testing.assert_close(after[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_with_cross_attention_equal_the_uncached_forward():
+    model, ctx = cross_attending(seed=24)
+    ids, mask = left_pad(prompts_of([25, 14], seed=25))
+    chunked, _, _ = fed_in_chunks(model, ids, mask, [6, 9, 1, 9], **ctx)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False, **ctx).logits
+    real = mask.bool()
+    torch.testing.assert_close(chunked[real], full[real], rtol=1e-5, atol=1e-5)
+
+
+def test_a_chat_continues_from_the_cache_of_its_last_turn():
+    """generate() handed the cache of the previous turn feeds the new turn's tokens as one chunk: the same tokens as
+    generating from the whole conversation without a cache."""
+    model = causal_lm(seed=26, **VARIANTS["local+shifted"])
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True)
+    first = model.generate(torch.randint(1, 40, (1, 9)), max_new_tokens=7, **kwargs)
+    turn = torch.cat([first.sequences, torch.randint(1, 40, (1, 13))], 1)
+    cache = getattr(first, CACHE_NAME)
+    cached = model.generate(turn, max_new_tokens=9, **kwargs, **{CACHE_NAME: cache})
+    uncached = model.generate(turn, max_new_tokens=9, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
