@@ -444,8 +444,7 @@ class SinkhornLayerState:
                 queries.append(state.tensors["queries"][:, :, :end].to(q.dtype))
         q_all = torch.cat(queries, dim=1)
         put_along(q_all, 2, chunk.slot, q)
-        mask = torch.arange(end, device=q.device) < chunk.lengths[:, None]
-        return q_all, self.keys[:, :, origin : origin + end], self.values[:, :, origin : origin + end], mask
+        return q_all, self.keys[:, :, origin : origin + end], self.values[:, :, origin : origin + end], chunk.real()
 
     def chunk_context(self, q):
         """Cross-attention of a chunk: writes the new tokens' queries [b, h, L, d] -> the queries [b, h, T, d] of
@@ -454,10 +453,9 @@ class SinkhornLayerState:
         chunk, state, context = self.owner.chunk, self.cross_state, self.context
         state.add_queries(q, chunk.slot)
         q_all = state.tensors["queries"][:, :, : chunk.length].to(q.dtype)
-        mask = torch.arange(chunk.length, device=q.device) < chunk.lengths[:, None]
         b, h, nk, size, d = context["bk"].shape
         keys, values = (context[name].reshape(b, h, nk * size, d) for name in ("bk", "bv"))
-        return q_all, mask, keys, values, context["bm"].reshape(b, nk * size)
+        return q_all, chunk.real(), keys, values, context["bm"].reshape(b, nk * size)
 
     def _apply(self, fn):
         if self.keys is not None:

@@ -65,6 +65,10 @@ class Chunk(NamedTuple):
     length: int
     first: int
 
+    def real(self) -> torch.Tensor:
+        """[b, length] bool: which slots a layer attends over hold real tokens (each row's first `lengths`)."""
+        return torch.arange(self.length, device=self.lengths.device) < self.lengths[:, None]
+
 
 class CacheCalls:
     """The model's calls on a `SinkhornCache` (mixed into it): `begin_prefill` / `end_prefill`, a one-token
