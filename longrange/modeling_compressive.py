@@ -44,7 +44,7 @@ from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
 from .layers import FeedForward, attend, blockwise_attention, distance_encodings, put_along, register_fsdp_methods
 from .loading import checked_from_pretrained, map_every_auto_class
 from .outputs import CompressiveCausalLMOutput, CompressiveModelOutput
-from .packing import call_layout
+from .packing import Layout, call_layout
 from .product_key_memory import ProductKeyMemory
 from .segments_compressive import SegmentRunner
 
@@ -531,7 +531,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @call_layout(absolute_positions=False)  # packed documents as rows; torch.export: any length
+    @call_layout(Layout(False, "segment_length", loss_terms="reconstruction_terms", loss="reconstruction_loss"))
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -565,6 +565,8 @@ class CompressiveModel(CompressivePreTrainedModel):
         runner = SegmentRunner(self, cache, output_hidden_states, output_attentions)
         run = runner.run(hidden_states, valid, masked=attention_mask is not None, use_cache=use_cache)
         cache.count(seq_len)
+        if kwargs.get("reconstruction_terms") is not None:  # packed documents' groups (longrange/packing.py)
+            kwargs["reconstruction_terms"].extend(run.losses)
 
         final = self.norm(run.outputs)
         result = CompressiveModelOutput(

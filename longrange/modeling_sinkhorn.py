@@ -52,7 +52,7 @@ from .inputs import check_cache, check_labels, check_lm_labels, check_mask, chec
 from .layers import ATTENTION_IMPLEMENTATIONS, permute_map, permute_tokens, real_tokens_first
 from .loading import checked_from_pretrained, map_every_auto_class, rename_moved_keys
 from .outputs import ClassifierOutput  # noqa: F401  (see the note above)
-from .packing import call_layout, pop_document_kwargs
+from .packing import Layout, call_layout, pop_document_kwargs
 from .product_key_memory import ProductKeyMemory
 from .reversible import ReversibleSequence
 from .sinkhorn_attention import attention_implementation, unsupported_attention
@@ -321,7 +321,7 @@ class SinkhornModel(SinkhornPreTrainedModel):
         return [pair for layer, ff in layers for pair in layer.blocks(ff)]
 
     @can_return_tuple
-    @call_layout(absolute_positions=True)  # packed documents as rows; torch.export: any length
+    @call_layout(Layout(absolute_positions=True, unit="bucket_size"))  # packed documents; torch.export: any length
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

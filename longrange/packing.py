@@ -8,8 +8,10 @@ boundaries as `cu_seq_lens_q` / `cu_seq_lens_k` (with `max_length_q` / `max_leng
 document only, and so do ours: each document becomes a row of its own that starts at its first token (so at a
 bucket or segment boundary, with positions from 0 and an empty memory) and is padded at its end; the forward runs
 on those rows with their padding mask (a row's outputs never depend on its padding), and every output goes back
-to its token's place in the packed row. Each document's computation is then the one it gets when run alone. The
-cost is that of the rows: documents x the longest document's length.
+to its token's place in the packed row. Each document's computation is then the one it gets when run alone.
+Documents of similar length run together, a forward per group (`group_sizes`: the cheapest split, longest first,
+when a group costs its rows' padded positions plus a call's fixed cost, `GROUP_COST`), so that many short documents
+beside a long one are not all padded to its length.
 
 Positions mark documents when every row's `position_ids` count up by one from 0 and restart at 0 at each new
 document (padding skipped); other positions are not packed documents (each model keeps its own rule for them).
@@ -41,46 +43,82 @@ def pop_document_kwargs(kwargs: dict) -> dict:
     return {name: kwargs.pop(name) for name in DOCUMENT_KWARGS if name in kwargs}
 
 
+# A forward call's fixed cost, in padded tokens: what one more group of rows must save to be worth it. Measured with
+# `benchmarks/benchmark_packing.py --calibrate` on 2 CPU cores: a training step's call costs 130-150 tokens at hidden
+# 512 x 4 layers. A GPU call, bound by kernel launches, costs far more tokens: raise it there.
+GROUP_COST = 128
+
+
+def group_sizes(lengths: list[int], unit: int, cost: int = GROUP_COST) -> list[int]:
+    """How many documents each group takes, for `lengths` sorted longest first: the split into consecutive groups
+    that costs least, a group costing its documents x its longest (rounded up to `unit`: the model pads rows to a
+    multiple of its bucket or segment) plus `cost` tokens for its call. Dynamic programming over the points where
+    the rounded length changes (a split anywhere else only adds a call)."""
+    rounded = [-(-n // unit) * unit for n in lengths]
+    ends = [k + 1 for k in range(len(rounded)) if k + 1 == len(rounded) or rounded[k + 1] != rounded[k]]
+    points = [0, *ends]  # candidate split points (documents before them)
+    best, cut = [0] + [0] * len(ends), [0] * len(points)  # best[j]: least cost of the documents before points[j]
+    for j in range(1, len(points)):
+        best[j], cut[j] = min((best[i] + (points[j] - points[i]) * rounded[points[i]] + cost, i) for i in range(j))
+    sizes, j = [], len(points) - 1
+    while j:
+        sizes.append(points[j] - points[cut[j]])
+        j = cut[j]
+    return sizes[::-1]
+
+
 @dataclass
-class Documents:
-    """The documents of packed rows [batch, seq], each as a row of its own [count, longest] (see the module)."""
+class DocumentGroup:
+    """Documents of similar length as rows of their own [count, longest] (see the module)."""
 
     source: torch.Tensor  # [count, longest] long: each document token's flat index (row * seq + t); clamped after
     mask: torch.Tensor  # [count, longest] bool: a token of the document (False: padding after its end)
     rows: torch.Tensor  # [count] long: the packed row each document comes from
-    back: torch.Tensor  # [batch * seq] long: each packed token's flat index in the [count * longest] layout
-    shape: tuple[int, int]  # (batch, seq)
-
-    @classmethod
-    def of(cls, starts: torch.Tensor) -> Documents:
-        """starts [batch, seq] bool: True at the first token of each document (each row's first token is one)."""
-        batch, seq = starts.shape
-        flat = starts.flatten()
-        first = flat.nonzero().squeeze(1)  # [count] flat index of each document's first token
-        lengths = torch.cat([first[1:], first.new_full((1,), batch * seq)]) - first  # rows end where the next starts
-        longest = int(lengths.max())  # host read: the rows' length
-        offsets = torch.arange(longest, device=starts.device)
-        document = flat.long().cumsum(0) - 1  # [batch * seq] each token's document
-        within = torch.arange(batch * seq, device=starts.device) - first[document]
-        return cls(
-            source=(first[:, None] + offsets).clamp_max(batch * seq - 1),
-            mask=offsets < lengths[:, None],
-            rows=first // seq,
-            back=document * longest + within,
-            shape=(batch, seq),
-        )
-
-    @property
-    def count(self) -> int:
-        return self.source.shape[0]
 
     def spread(self, t: torch.Tensor) -> torch.Tensor:
         """[batch, seq, ...] -> [count, longest, ...] (padding holds some token's value; the mask says which)."""
         return t.flatten(0, 1)[self.source]
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[count, longest, ...] -> [batch, seq, ...]: each packed token's result back at its place."""
-        return t.flatten(0, 1)[self.back].unflatten(0, self.shape)
+
+@dataclass
+class Documents:
+    """The documents of packed rows [batch, seq], longest first, in groups of similar length (see the module)."""
+
+    groups: list[DocumentGroup]
+    back: torch.Tensor  # [batch * seq] long: each packed token's index in the groups' rows, flattened one after another
+    shape: tuple[int, int]  # (batch, seq)
+
+    @classmethod
+    def of(cls, starts: torch.Tensor, unit: int = 1, cost: int = GROUP_COST) -> Documents:
+        """starts [batch, seq] bool: True at the first token of each document (each row's first token is one);
+        `unit`, `cost`: see `group_sizes`."""
+        batch, seq = starts.shape
+        flat = starts.flatten()
+        first = flat.nonzero().squeeze(1)  # [count] flat index of each document's first token
+        lengths = torch.cat([first[1:], first.new_full((1,), batch * seq)]) - first  # rows end where the next starts
+        order = lengths.argsort(descending=True, stable=True)
+        ordered = lengths[order].tolist()  # host read: the groups' lengths
+        offset = torch.empty_like(first)  # each document's first token's index in the groups' flattened rows
+        groups, done, placed = [], 0, 0
+        for size in group_sizes(ordered, unit, cost):
+            members, longest = order[done : done + size], ordered[done]
+            steps = torch.arange(longest, device=starts.device)
+            offset[members] = placed + torch.arange(size, device=starts.device) * longest
+            groups.append(
+                DocumentGroup(
+                    source=(first[members, None] + steps).clamp_max(batch * seq - 1),
+                    mask=steps < lengths[members, None],
+                    rows=first[members] // seq,
+                )
+            )
+            done, placed = done + size, placed + size * longest
+        document = flat.long().cumsum(0) - 1  # [batch * seq] each token's document
+        within = torch.arange(batch * seq, device=starts.device) - first[document]
+        return cls(groups=groups, back=offset[document] + within, shape=(batch, seq))
+
+    def gather(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The groups' [count, longest, ...] -> [batch, seq, ...]: each packed token's result back at its place."""
+        return torch.cat([t.flatten(0, 1) for t in outputs])[self.back].unflatten(0, self.shape)
 
 
 def _restarts(positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
@@ -160,35 +198,48 @@ def _refuse(model, kwargs: dict, several: bool) -> None:
         raise ValueError(f"{what} cannot be combined with output_attentions")
 
 
-def _run_documents(forward, model, kwargs: dict, starts: torch.Tensor, absolute_positions: bool, tuples: bool):
-    """The call with its documents as rows (see the module). `tuples`: the forward takes `return_dict`."""
+def _run_documents(forward, model, kwargs: dict, starts: torch.Tensor, layout: Layout, tuples: bool):
+    """The call with its documents as rows, one call per group (see the module). `tuples`: the forward takes
+    `return_dict`."""
     several = bool((starts.sum(dim=1) > 1).any())  # host read
-    if not several and absolute_positions:  # one document per row: the positions as given (generate's prompts)
+    if not several and layout.absolute_positions:  # one document per row: the positions as given (generate's prompts)
         return forward(model, **kwargs)
     _refuse(model, kwargs, several)
     kwargs = dict(kwargs, use_cache=False)
-    if not absolute_positions:  # relative positions: position_ids only marked the documents
+    if not layout.absolute_positions:  # relative positions: position_ids only marked the documents
         kwargs.pop("position_ids", None)
     if not several:
         return forward(model, **kwargs)
-    documents = Documents.of(starts)  # (no padding: refused above)
+    documents = Documents.of(starts, getattr(model.config, layout.unit), GROUP_COST)
     return_dict = kwargs.get("return_dict")
-    kwargs.update(output_attentions=False, attention_mask=documents.mask)
+    kwargs.update(output_attentions=False)
     if tuples:
         kwargs["return_dict"] = True
-    for name in ("input_ids", "inputs_embeds", "position_ids"):
-        if kwargs.get(name) is not None:
-            kwargs[name] = documents.spread(kwargs[name].expand(*documents.shape, *kwargs[name].shape[2:]))
-    for name in ("encoder_hidden_states", "encoder_attention_mask"):  # each document keeps its row's context
-        if kwargs.get(name) is not None:
-            kwargs[name] = kwargs[name][documents.rows]
-    out = forward(model, **kwargs)
-    out.last_hidden_state = documents.gather(out.last_hidden_state)
+    terms = layout.loss_terms
+    if terms:
+        kwargs[terms] = []  # every group's loss terms, for their mean over the whole call
+    outs = [forward(model, **_group_kwargs(kwargs, documents.shape, group)) for group in documents.groups]
+    out = outs[0]
+    out.last_hidden_state = documents.gather([o.last_hidden_state for o in outs])
     if out.hidden_states is not None:
-        out.hidden_states = tuple(documents.gather(h) for h in out.hidden_states)
+        out.hidden_states = tuple(map(documents.gather, zip(*(o.hidden_states for o in outs))))
+    if terms and kwargs[terms]:  # (none: the first group's loss is what a call without terms gives)
+        setattr(out, layout.loss, torch.stack(kwargs[terms]).mean())
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
     return out if return_dict or not tuples else out.to_tuple()
+
+
+def _group_kwargs(kwargs: dict, shape: tuple[int, int], group: DocumentGroup) -> dict:
+    """A forward's arguments for one group's rows: its tokens and positions spread, its rows' context."""
+    kwargs = dict(kwargs, attention_mask=group.mask)
+    for name in ("input_ids", "inputs_embeds", "position_ids"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = group.spread(kwargs[name].expand(*shape, *kwargs[name].shape[2:]))
+    for name in ("encoder_hidden_states", "encoder_attention_mask"):  # each document keeps its row's context
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name][group.rows]
+    return kwargs
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -244,12 +295,25 @@ def _padded_to_bound(forward, model, kwargs: dict, bound: int, bounds: dict, tup
     return out
 
 
-def call_layout(absolute_positions: bool):
+@dataclass(frozen=True)
+class Layout:
+    """How a model's calls are laid out (`call_layout`). `absolute_positions`: the model embeds positions
+    (Sinkhorn), and the documents' rows get the given ones; else (the Compressive model's relative positions)
+    position_ids only mark the documents and are not passed on. `unit`: the config field a row's length is padded
+    to a multiple of (its bucket or segment). `loss_terms`: a keyword the forward takes a list with, to which it
+    appends the terms whose mean is its output field `loss` (the Compressive model's reconstruction loss), so
+    that a call made of several groups gives the mean of all their terms, as one call would."""
+
+    absolute_positions: bool
+    unit: str
+    loss_terms: str | None = None
+    loss: str | None = None
+
+
+def call_layout(layout: Layout):
     """Decorates a base model's forward so that packed documents (see the module) each run as a row of their own
-    and a dynamic length under torch.export is padded to its bound (see `_padded_to_bound`); any other call goes
-    to the forward unchanged. `absolute_positions`: the model embeds positions (Sinkhorn),
-    and the documents' rows get the given ones; else (the Compressive model's relative positions) position_ids
-    only mark the documents and are not passed on."""
+    (documents of similar length together, a call per group) and a dynamic length under torch.export is padded to
+    its bound (see `_padded_to_bound`); any other call goes to the forward unchanged."""
 
     def decorate(forward):
         names = tuple(inspect.signature(forward).parameters)[1:]
@@ -268,7 +332,7 @@ def call_layout(absolute_positions: bool):
                 return _padded_to_bound(forward, model, kwargs, bound, bounds, "return_dict" in names)
             if position_ids is None and not bounds:
                 return forward(model, **kwargs)  # nothing marks documents
-            if absolute_positions and not bounds and tokens.shape[1] == 1:
+            if layout.absolute_positions and not bounds and tokens.shape[1] == 1:
                 return forward(model, **kwargs)  # a decoding step: one token is one document
             batch, length = tokens.shape[:2]
             real = _real_tokens(kwargs.get("attention_mask"), tokens)
@@ -277,7 +341,7 @@ def call_layout(absolute_positions: bool):
             starts = document_starts(position_ids, bounds, real, batch, length)
             if starts is None:  # positions that are not packed restarts: the model's own rule
                 return forward(model, **kwargs)
-            return _run_documents(forward, model, kwargs, starts, absolute_positions, "return_dict" in names)
+            return _run_documents(forward, model, kwargs, starts, layout, "return_dict" in names)
 
         return forward_laid_out
 

@@ -1,10 +1,13 @@
 """Packed sequences through the user's door: transformers' `DataCollatorWithFlattening` (and TRL's
 `SFTTrainer(packing=True)`) put several documents in one row and restart `position_ids` at each. Every document's
 logits must then equal those of the document run alone (the model on that document by itself), as transformers'
-Llama gives them beside ours through the same collator; the loss is the token-weighted mean over the documents;
-what cannot be combined with packed documents is refused, naming the argument."""
+Llama gives them beside ours through the same collator, whether the documents run in one group of rows or in
+several; the loss is the token-weighted mean over the documents; what cannot be combined with packed documents is
+refused, naming the argument."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from longrange import (
     SinkhornConfig,
     SinkhornForCausalLM,
     SinkhornForMaskedLM,
+    packing,
 )
 
 VOCAB = 32
@@ -73,9 +77,17 @@ def per_document(logits: torch.Tensor, docs) -> list[torch.Tensor]:
     return list(logits[0].split([len(d) for d in docs]))
 
 
+@pytest.fixture(params=["one group", "a group per length"])
+def groups(request, monkeypatch):
+    """The documents' grouping: all in one group of rows (a call costs more than any padding) or each rounded
+    length in a group of its own (a call costs nothing)."""
+    monkeypatch.setattr(packing, "GROUP_COST", 10**9 if request.param == "one group" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("collator", COLLATORS)
 @pytest.mark.parametrize("name", MODELS)
-def test_each_packed_document_gets_the_logits_it_gets_alone(name, collator):
+def test_each_packed_document_gets_the_logits_it_gets_alone(name, collator, groups):
     model, docs = make(name), documents()
     batch = packed(docs, **COLLATORS[collator])
     if name.startswith("llama") and "position_ids" not in batch:
@@ -99,7 +111,7 @@ def test_the_packed_loss_is_the_token_weighted_mean_of_the_documents_losses(name
 
 
 @pytest.mark.parametrize("name", ["compressive", "sinkhorn causal"])
-def test_the_packed_loss_trains_as_the_documents_losses_do(name):
+def test_the_packed_loss_trains_as_the_documents_losses_do(name, groups):
     """Gradients of the packed loss equal those of the token-weighted mean of the documents' own losses."""
     model = (compressive(reconstruction_loss="none") if name == "compressive" else make(name)).train()
     docs = documents((6, 11, 4))
@@ -118,10 +130,10 @@ def test_the_packed_loss_trains_as_the_documents_losses_do(name):
 
 @pytest.mark.parametrize("reconstruction", ["attention", "autoencoding"])
 @pytest.mark.parametrize("lengths", [(24, 6), (10, 24)])
-def test_each_document_trains_the_compression_as_alone(reconstruction, lengths):
-    """Only the 24-token document compresses when alone (segment 4, memory 8); in the packed call the shorter
-    document's row also completes segments with its padding, which compresses but trains nothing: the packed
-    reconstruction loss is the long document's."""
+def test_each_document_trains_the_compression_as_alone(reconstruction, lengths, groups):
+    """Only the 24-token document compresses when alone (segment 4, memory 8); in one group the shorter
+    document's row also completes segments with its padding, which compresses but trains nothing; in a group of
+    its own it evicts nothing: either way the packed reconstruction loss is the long document's."""
     torch.manual_seed(0)
     model = compressive(mem_len=8, reconstruction_loss=reconstruction).train()
     docs = documents(lengths)
@@ -233,3 +245,94 @@ def test_positions_that_are_not_packed_restarts_keep_their_meaning():
         model(ids, position_ids=shifted)
     with torch.no_grad():
         torch.testing.assert_close(model(ids, position_ids=torch.arange(8)[None]).logits, model(ids).logits)
+
+
+def least_cost_by_enumeration(lengths, unit, cost):
+    """The cheapest split of `lengths` (longest first) into consecutive groups, by trying every split."""
+    rounded = [-(-n // unit) * unit for n in lengths]
+    best = None
+    for cuts in itertools.product([False, True], repeat=len(lengths) - 1):
+        bounds = [0] + [k + 1 for k, cut in enumerate(cuts) if cut] + [len(lengths)]
+        total = sum((b - a) * rounded[a] + cost for a, b in itertools.pairwise(bounds))
+        best = total if best is None else min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_groups_are_the_cheapest_split(seed):
+    generator = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(1, 10, (1,), generator=generator))
+    lengths = sorted(torch.randint(1, 300, (count,), generator=generator).tolist(), reverse=True)
+    unit, cost = [1, 4, 64][seed % 3], [0, 16, 512][seed // 3 % 3]
+    sizes = packing.group_sizes(lengths, unit, cost)
+    assert sum(sizes) == count and min(sizes) > 0
+    starts = itertools.accumulate([0, *sizes[:-1]])
+    rounded = [-(-n // unit) * unit for n in lengths]
+    assert sum(size * rounded[a] + cost for a, size in zip(starts, sizes)) == least_cost_by_enumeration(
+        lengths, unit, cost
+    )
+
+
+def test_documents_of_similar_length_run_together(monkeypatch):
+    """With a call worth 64 padded tokens, documents of 40, 38, 9, 7 and 5 tokens (buckets of 4) run as two groups,
+    2 x 40 and 3 x 12 (the rows padded to the bucket), one forward of the layers each, and give the logits and
+    hidden states they give alone."""
+    monkeypatch.setattr(packing, "GROUP_COST", 64)
+    model, docs = make("sinkhorn causal"), documents((9, 40, 5, 38, 7))
+    shapes = []
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape[:2])))
+    with torch.no_grad():
+        out = model(**packed(docs), use_cache=False, output_hidden_states=True)
+        assert shapes == [(2, 40), (3, 12)]
+        layers = [per_document(h, docs) for h in out.hidden_states]
+        for k, (doc, logits) in enumerate(zip(docs, per_document(out.logits, docs))):
+            alone = model(torch.tensor([doc]), output_hidden_states=True)
+            torch.testing.assert_close(logits, alone.logits[0], atol=2e-6, rtol=0)
+            for together, by_itself in zip(layers, alone.hidden_states, strict=True):
+                torch.testing.assert_close(together[k], by_itself[0], atol=2e-6, rtol=0)
+
+
+def test_groups_give_the_mean_of_every_eviction_s_reconstruction_loss(monkeypatch):
+    """Documents of 24 and 40 tokens in groups of their own (segment 4, memory 8) both compress: the packed
+    reconstruction loss is the mean over every eviction of both calls, as one call's is over its evictions (each
+    document's loss alone weighted by how many evictions trained the compression in it)."""
+    monkeypatch.setattr(packing, "GROUP_COST", 0)
+    calls = []
+    layer_class = CompressiveModel(compressive().config).layers[0].__class__
+    counted = layer_class.attention_reconstruction_loss
+    monkeypatch.setattr(
+        layer_class, "attention_reconstruction_loss", lambda *a, **k: calls.append(1) or counted(*a, **k)
+    )
+    torch.manual_seed(0)
+    model = compressive(mem_len=8).train()
+    docs = documents((24, 40))
+    losses, evictions = [], []
+    for doc in docs:
+        calls.clear()
+        losses.append(model(torch.tensor([doc])).reconstruction_loss)
+        evictions.append(len(calls))
+    assert min(evictions) > 0 and evictions[0] != evictions[1]
+    expected = sum(loss * n for loss, n in zip(losses, evictions)) / sum(evictions)
+    torch.testing.assert_close(model(**packed(docs)).reconstruction_loss, expected, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_each_document_keeps_its_packed_row_s_context(causal, groups):
+    """Two packed rows, each with its own encoder context (Sinkhorn with cross-attention): every document, whichever
+    group it runs in, attends to its own row's context, as alone with that context."""
+    model = sinkhorn(causal, receives_context=True, context_bucket_size=3).eval()
+    rows = [documents((9, 3, 6), seed=2), documents((5, 13), seed=3)]
+    collated = [packed(docs) for docs in rows]
+    ids = torch.cat([c["input_ids"] for c in collated])
+    positions = torch.cat([c["position_ids"] for c in collated])
+    context = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(4))
+    context_mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    with torch.no_grad():
+        out = model(ids, position_ids=positions, encoder_hidden_states=context, encoder_attention_mask=context_mask)
+        for row, docs in enumerate(rows):
+            for doc, logits in zip(docs, per_document(out.logits[row : row + 1], docs)):
+                alone = model(
+                    torch.tensor([doc]), encoder_hidden_states=context[row : row + 1],
+                    encoder_attention_mask=context_mask[row : row + 1],
+                ).logits[0]  # fmt: skip
+                torch.testing.assert_close(logits, alone, atol=2e-6, rtol=0)
