@@ -48,13 +48,13 @@ QUICK = dict(hidden=32, layers=2, heads=2, unit=8, row=128, rows=2, median=12)
 VOCAB = 256
 
 
-def models(size: dict) -> dict:
+def models(size: dict, device: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shared = dict(vocab_size=VOCAB, hidden_size=size["hidden"], num_hidden_layers=size["layers"],
                   num_attention_heads=size["heads"])  # fmt: skip
     torch.manual_seed(0)
-    return {
+    built = {
         "sinkhorn": SinkhornForCausalLM(
             SinkhornConfig(**shared, bucket_size=size["unit"], max_position_embeddings=size["row"], causal=True)
         ),
@@ -67,7 +67,7 @@ def models(size: dict) -> dict:
                 compression_rate=2,
                 hidden_dropout=0.0,
             )
-        ),  # fmt: skip
+        ),
         "llama": LlamaForCausalLM(
             LlamaConfig(
                 **shared,
@@ -75,8 +75,9 @@ def models(size: dict) -> dict:
                 max_position_embeddings=size["row"],
                 attn_implementation="sdpa",
             )
-        ),  # fmt: skip
+        ),
     }
+    return {name: model.to(device) for name, model in built.items()}
 
 
 def packed_batch(size: dict, seed: int = 0) -> tuple[dict, list[int]]:
@@ -99,12 +100,15 @@ def step(model, batch: dict, repeats: int, cost: int | None = None):
     if cost is not None:
         packing.GROUP_COST = cost
     times = []
+    synchronize = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
     try:
         for _ in range(repeats):
             model.zero_grad(set_to_none=True)
+            synchronize()
             start = time.perf_counter()
             out = model(**batch, use_cache=False)
             out.loss.backward()
+            synchronize()
             times.append(time.perf_counter() - start)
     finally:
         packing.GROUP_COST = kept
@@ -121,9 +125,10 @@ def padded_positions(lengths: list[int], unit: int, cost: int) -> int:
     return total
 
 
-def measure(size: dict, repeats: int) -> list[dict]:
-    built = models(size)
+def measure(size: dict, repeats: int, device: str) -> list[dict]:
+    built = models(size, device)
     batch, lengths = packed_batch(size)
+    batch = {name: t.to(device) for name, t in batch.items()}
     tokens = sum(lengths)
     llama_s, _ = step(built["llama"].train(), batch, repeats)
     rows = []
@@ -150,15 +155,15 @@ def measure(size: dict, repeats: int) -> list[dict]:
     return rows
 
 
-def calibrate(size: dict, repeats: int) -> dict:
+def calibrate(size: dict, repeats: int, device: str) -> dict:
     """A call's cost in tokens, per model: the step time of one row of one unit over the per-token step time of
     `rows` full rows (both without packing)."""
-    built, costs = models(size), {}
+    built, costs = models(size, device), {}
     for name in ("sinkhorn", "compressive"):
         model = built[name].train()
         unit = size["unit"] * (2 if name == "compressive" else 1)
-        small = {"input_ids": torch.randint(0, VOCAB, (1, unit))}
-        large = {"input_ids": torch.randint(0, VOCAB, (size["rows"], size["row"]))}
+        small = {"input_ids": torch.randint(0, VOCAB, (1, unit), device=device)}
+        large = {"input_ids": torch.randint(0, VOCAB, (size["rows"], size["row"]), device=device)}
         for batch in (small, large):
             batch["labels"] = batch["input_ids"]
         step(model, small, 1)
@@ -188,6 +193,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per cell (median)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--calibrate", action="store_true", help="also measure a call's cost in tokens")
     parser.add_argument(
@@ -203,13 +209,13 @@ def main(argv=None) -> dict:
     try:
         record = {
             "settings": {**size, "repeats": args.repeats, "threads": torch.get_num_threads(),
-                         "group_cost": packing.GROUP_COST, "torch": torch.__version__},
-            "rows": measure(size, args.repeats),
+                         "group_cost": packing.GROUP_COST, "torch": torch.__version__, "device": args.device},
+            "rows": measure(size, args.repeats, args.device),
         }  # fmt: skip
     finally:
         packing.GROUP_COST = kept
     if args.calibrate:
-        record["call_cost_tokens"] = calibrate(size, args.repeats)
+        record["call_cost_tokens"] = calibrate(size, args.repeats, args.device)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1) + "\n")

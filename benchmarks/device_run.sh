@@ -50,6 +50,11 @@
 #    eager after 3 steps), beside the reference eager and compiled, about 300 s:
 #        BENCH_BUDGET=240 BENCH_ROWS='^compressive/(by_segment(_explicit)?/[a-z0-9]+/(eager|regional)|reference)/' \
 #            bash benchmarks/device_run.sh bench
+# 8. Packed training batches on the GPU (documents in groups of similar length against one group, and a call's fixed
+#    cost in tokens: longrange.packing.GROUP_COST is the CPU's 128; set a CUDA value from `call_cost_tokens`;
+#    about 5 minutes on 2 CPU cores, not yet run on a GPU):
+#        run(command="bash benchmarks/device_run.sh packing", carry=[".whl"], timeout_s=270)
+#    -> $OUT/packing.json, packing.log (docs/benchmarks.md, "Packed batches").
 # Results go to $OUT (bench.json with the decoding rows merged in, decode.json, bench.log, decode.log, train.log;
 # they come back: copy bench.json to docs/benchmarks/gpu.json here).
 set -uo pipefail
@@ -146,6 +151,12 @@ if wants recall; then
     # the defaults, the retrieval options (weight_routed_values=False, axial_position_embeddings=False), Llama
     timeout "${RECALL_BUDGET:-420}" python3 "${recall[@]}" --models llama top2_unweighted_rowpos top2 2>&1 \
         | tee "$OUT/recall.log" || status=1
+fi
+
+if wants packing; then
+    # packed training batches in groups against one group, and a call's cost in tokens on the GPU (GROUP_COST)
+    timeout 240 python3 benchmarks/benchmark_packing.py --device cuda --calibrate --json "$OUT/packing.json" 2>&1 \
+        | tee "$OUT/packing.log" || status=1
 fi
 
 exit $status
