@@ -53,10 +53,15 @@ def assert_same_training(one: Path, two: Path) -> None:
         ("sinkhorn", "fsdp_root.yaml", ["reversible=True"]),  # reversible layers: the root as the one unit
         ("compressive", "fsdp.yaml", []),  # each CompressiveDecoderLayer one unit (its FSDP forward methods)
         ("compressive", "fsdp_root.yaml", []),  # the root as the one unit
+        # packed documents in groups: each unit runs several forwards before one backward
+        ("sinkhorn", "fsdp.yaml", ["--packed"]),
+        ("compressive", "fsdp.yaml", ["--packed"]),
     ],
+    ids=["sinkhorn", "sinkhorn-reversible", "compressive", "compressive-root", "sinkhorn-packed", "compressive-packed"],
 )
 def test_two_fsdp_processes_train_like_one_process(tmp_path, model, accelerate_config, config):
-    common = ["--model", model, "--config", *config]
+    packed = [option for option in config if option.startswith("--")]
+    common = ["--model", model, *packed, "--config", *[field for field in config if field not in packed]]
     one = train(tmp_path / "one.pt", *common)
     assert one.returncode == 0, one.stderr[-3000:]
     two = train(tmp_path / "two.pt", *common, "--accelerate_config", f"configs/accelerate/{accelerate_config}",
