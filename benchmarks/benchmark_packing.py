@@ -18,6 +18,10 @@ loss, backward; median of `--repeats`) of a model in train mode:
 `padded` is the token positions the model's rows hold over the batch's tokens (rows rounded up to the bucket or
 segment); `max_diff` the largest difference between the two layouts' logits (both exact: rounding only).
 
+`--text FILE` (no timing) adds the padding of real documents: the file's blank-line-separated passages as
+byte-level documents (cut to `row` bytes), batches filled in order up to `rows` x `row` bytes, positions per token of
+each layout (median over the batches).
+
 The call cost (`--calibrate`): one training step of one row of one bucket (or segment) over the per-token time of a
 step of `rows` full rows, in tokens: what one more group's call costs, the figure GROUP_COST stands for.
 """
@@ -174,6 +178,24 @@ def calibrate(size: dict, repeats: int, device: str) -> dict:
     return costs
 
 
+def text_padding(path: Path, size: dict) -> dict:
+    """Positions per token of both layouts on the passages of a text file (see the module), median over batches."""
+    passages = [min(len(p), size["row"]) for p in path.read_bytes().split(b"\n\n") if p.strip()]
+    budget, batches, batch = size["rows"] * size["row"], [], []
+    for n in passages:
+        if sum(batch) + n > budget:
+            batches.append(batch)
+            batch = []
+        batch.append(n)
+    record = {"file": path.name, "passages": len(passages), "batches": len(batches)}
+    for name, unit in (("sinkhorn", size["unit"]), ("compressive", 2 * size["unit"])):
+        for layout, cost in (("grouped", packing.GROUP_COST), ("one_group", 10**12)):
+            ratios = [padded_positions(b, unit, cost) / sum(b) for b in batches]
+            record[f"{name}_{layout}"] = statistics.median(ratios)
+    print(f"{path.name}: {record}", file=sys.stderr, flush=True)
+    return record
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | documents | tokens | groups | positions / token: grouped | one group | grouped s | one group s "
@@ -199,6 +221,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--group_cost", type=int, default=None, help="GROUP_COST for the grouped steps (default: its value)"
     )
+    parser.add_argument("--text", type=Path, default=None, help="also the padding of this file's passages")
     parser.add_argument("--json", type=Path, default=None, help="write the settings and rows here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -212,6 +235,8 @@ def main(argv=None) -> dict:
                          "group_cost": packing.GROUP_COST, "torch": torch.__version__, "device": args.device},
             "rows": measure(size, args.repeats, args.device),
         }  # fmt: skip
+        if args.text:
+            record["text"] = text_padding(args.text, size)
     finally:
         packing.GROUP_COST = kept
     if args.calibrate:

@@ -21,3 +21,18 @@ def test_quick_run_writes_both_models_with_equal_logits_in_both_layouts(tmp_path
         assert row["tokens"] <= 2 * 128 and row["documents"] > row["groups"]
     assert record["settings"]["group_cost"] == 0 and bench.packing.GROUP_COST > 0  # (restored after the run)
     assert len(bench.table(rows).splitlines()) == 2 + len(rows)
+
+
+def test_text_padding_counts_each_layout_s_positions(tmp_path, monkeypatch):
+    """Passages of 100, 10 and 20 bytes fill the first batch of 2 x 128 bytes (the next, cut to 128, starts a second
+    one, left unfilled and not counted). Buckets of 8: one group pads all three to 104 (312 positions for 130
+    tokens); at 128 tokens a call the cheapest split is {100}, {10, 20}: 104 + 2 x 24. Segments of 16: 3 x 112
+    against 112 + 2 x 32."""
+    bench = load_script("benchmark_packing")
+    monkeypatch.setattr(bench.packing, "GROUP_COST", 128)
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"\n\n".join([b"a" * 100, b"b" * 10, b"c" * 20, b"d" * 200, b"e" * 5]))
+    record = bench.text_padding(text, dict(bench.QUICK, unit=8))
+    assert (record["passages"], record["batches"]) == (5, 1)
+    assert record["sinkhorn_one_group"] == 312 / 130 and record["sinkhorn_grouped"] == 152 / 130
+    assert record["compressive_one_group"] == 336 / 130 and record["compressive_grouped"] == 176 / 130
