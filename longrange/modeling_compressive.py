@@ -509,6 +509,12 @@ class CompressivePreTrainedModel(PreTrainedModel):
             module.reset_parameters()  # its own keys/values scheme (the Linear/LayerNorm inside are done above)
 
 
+# packed documents: rows padded to whole segments; a grouped call pools its groups' reconstruction-loss terms
+PACKED_LAYOUT = Layout(
+    absolute_positions=False, unit="segment_length", loss_terms="reconstruction_terms", loss="reconstruction_loss"
+)
+
+
 class CompressiveModel(CompressivePreTrainedModel):
     """Embeddings, the decoder layers and the final norm; runs any input length segment by segment (the layers
     step is `SegmentRunner.run`, see `segments_compressive.py`)."""
@@ -531,7 +537,7 @@ class CompressiveModel(CompressivePreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @call_layout(Layout(False, "segment_length", loss_terms="reconstruction_terms", loss="reconstruction_loss"))
+    @call_layout(PACKED_LAYOUT)  # packed documents in groups of rows; torch.export: any length
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
