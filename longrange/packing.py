@@ -44,7 +44,7 @@ def pop_document_kwargs(kwargs: dict) -> dict:
 
 
 # A forward call's fixed cost, in padded tokens: what one more group of rows must save to be worth it. Measured with
-# `benchmarks/benchmark_packing.py --calibrate` on 2 CPU cores: a training step's call costs 130-150 tokens at hidden
+# `benchmarks/benchmark_packing.py --calibrate` on 2 CPU cores: a training step's call costs 110-150 tokens at hidden
 # 512 x 4 layers. A GPU call, bound by kernel launches, costs far more tokens: raise it there.
 GROUP_COST = 128
 
