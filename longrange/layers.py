@@ -30,6 +30,17 @@ def is_exporting() -> bool:
     return check() if flag is None else bool(flag)
 
 
+def merge_heads(out: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, len, d_head] -> [batch, len, heads * d_head]. While exporting, through an explicit contiguous
+    copy: torch.onnx's decomposition of `scaled_dot_product_attention` returns other strides than the traced op, so a
+    `reshape` traced as a view fails there (pytorch/pytorch#136543); eager and compiled calls keep the plain reshape
+    (a view where the kernel's layout allows)."""
+    out = out.transpose(1, 2)
+    if is_exporting():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out.reshape(*out.shape[:2], -1)
+
+
 def unit_output(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     """`output` of `module`, a tensor of its own (not a view) where `module` is an FSDP2 unit of its own (weight
     tie's shared modules are): FSDP2 hooks a unit's output for the backward's parameter gathering, and an in-place

@@ -41,7 +41,15 @@ from .compression import COMPRESSION_CLASSES, detached_norm, masked_mse
 from .configuration_checks import warn_near_misses  # noqa: F401  (see the note above)
 from .configuration_compressive import CompressiveConfig
 from .inputs import check_cache, check_lm_labels, check_mask, check_tokens
-from .layers import FeedForward, attend, blockwise_attention, distance_encodings, put_along, register_fsdp_methods
+from .layers import (
+    FeedForward,
+    attend,
+    blockwise_attention,
+    distance_encodings,
+    merge_heads,
+    put_along,
+    register_fsdp_methods,
+)
 from .loading import checked_from_pretrained, map_every_auto_class
 from .outputs import CompressiveCausalLMOutput, CompressiveModelOutput
 from .packing import Layout, call_layout
@@ -141,7 +149,7 @@ class CompressiveAttention(nn.Module):
         With `key_columns` [batch, K] (one query per row, keys in any order: the static decoding cache), key j's
         position term is read from column key_columns[:, j] of `relative` (which then covers every distance)
         instead of the compact layout's shift."""
-        batch, q_len, hidden = query_input.shape
+        batch, q_len = query_input.shape[:2]
         query = self.split_heads(self.q_proj(query_input))  # [batch, heads, q, d_head]
         kernel = self.kernel(query_input.device, need_weights, static=key_columns is not None)
         if kernel == "blockwise":  # (runs in its queries' dtype: float32 under CPU autocast, promoted by u and v)
@@ -156,8 +164,7 @@ class CompressiveAttention(nn.Module):
                 position_query=query + self.position_bias[:, None],
                 relative=relative,
             )
-            out = out.transpose(1, 2).reshape(batch, q_len, hidden)
-            return self.o_proj(out), None, query
+            return self.o_proj(merge_heads(out)), None, query
         # position scores: (q + v) . r for every distance, then shifted to (query, key) pairs, passed to the kernel
         # as an additive bias (which receives its gradient); the scale is folded into the small query. u and v in
         # the queries' dtype: as float32 under autocast they would promote bf16 queries and the bias to float32
@@ -180,8 +187,7 @@ class CompressiveAttention(nn.Module):
             return_weights=need_weights,
         )
         out, weights = result if need_weights else (result, None)
-        out = out.transpose(1, 2).reshape(batch, q_len, hidden)
-        return self.o_proj(out), weights, query
+        return self.o_proj(merge_heads(out)), weights, query
 
 
 # ----------------------------------------------------------------------------------------------------------------

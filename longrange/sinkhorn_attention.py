@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_sinkhorn import SinkhornConfig
-from .layers import ATTENTION_IMPLEMENTATIONS, unit_output
+from .layers import ATTENTION_IMPLEMENTATIONS, merge_heads, unit_output
 from .sinkhorn_heads import CausalContextHeads, CausalSinkhornHeads, LocalHeads, SinkhornHeads, causal_pair
 from .sinkhorn_routing import BucketMask
 
@@ -152,8 +152,7 @@ class _Projections(nn.Module):
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """The heads' outputs [b, H, L, d] -> [b, L, e]."""
-        b, _, length, _ = out.shape
-        return unit_output(self, self.to_out(out.transpose(1, 2).reshape(b, length, -1)))  # (via [b, L, H * d])
+        return unit_output(self, self.to_out(merge_heads(out)))
 
 
 class SinkhornSelfAttention(_Projections):

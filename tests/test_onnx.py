@@ -1,9 +1,11 @@
-"""ONNX: the Sinkhorn models export with `torch.onnx.export(..., dynamo=True)` and run in onnxruntime as in eager.
+"""ONNX: the models export with `torch.onnx.export(..., dynamo=True)`, with a dynamic length, and run in
+onnxruntime as in eager, as transformers' Llama does.
 
 The exporter has no stable sort (`aten.sort.stable`), which the models used twice: to move each row's real tokens
 first (`real_tokens_first`) and to pick the best buckets with ties to the lowest index (`top_indices`, which
 takes `_top_rounds` while exporting). Both are written with exportable operators; the first tests hold them to
-torch's stable sort, the reference they replace.
+torch's stable sort, the reference they replace. The attention outputs' head merge copies explicitly while exporting
+(`merge_heads`): the exporter's attention returns other strides than the traced op (pytorch/pytorch#136543).
 """
 
 from __future__ import annotations
@@ -11,8 +13,18 @@ from __future__ import annotations
 import pytest
 import torch
 from client_utils import require_client
+from torch.export import Dim
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from longrange import SinkhornConfig, SinkhornForCausalLM, SinkhornForMaskedLM, sinkhorn_routing
+from longrange import (
+    CompressiveConfig,
+    CompressiveForCausalLM,
+    SinkhornConfig,
+    SinkhornForCausalLM,
+    SinkhornForMaskedLM,
+    layers,
+    sinkhorn_routing,
+)
 from longrange.layers import real_tokens_first
 from longrange.sinkhorn_routing import _top_rounds, top_indices
 from tests.dispatch_utils import count_dispatched_ops
@@ -63,39 +75,81 @@ def test_real_tokens_first_is_a_stable_sort_of_the_padding_flags():
     assert torch.equal(real_tokens_first(valid), expected)
 
 
+def test_merge_heads_copies_only_while_exporting(monkeypatch):
+    heads_last = torch.randn(2, 5, 3, 4)  # [batch, len, heads, d_head] in memory: the layout SDPA kernels return
+    out = heads_last.transpose(1, 2)  # seen as [batch, heads, len, d_head]
+    expected = torch.cat([out[:, h] for h in range(3)], dim=-1)  # the heads side by side, by hand
+    for exporting, shares_memory in ((False, True), (True, False)):
+        monkeypatch.setattr(layers, "is_exporting", lambda exporting=exporting: exporting)
+        merged = layers.merge_heads(out)
+        assert torch.equal(merged, expected)
+        assert (merged.data_ptr() == heads_last.data_ptr()) is shares_memory  # eager: a view, no copy
+
+
 class Logits(torch.nn.Module):
-    """The exported function: token ids and their padding mask -> logits (the causal model without a cache)."""
+    """The exported function: token ids and their padding mask -> logits (a causal model without a cache)."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, input_ids, attention_mask):
-        kwargs = {"use_cache": False} if isinstance(self.model, SinkhornForCausalLM) else {}
+        kwargs = {} if isinstance(self.model, SinkhornForMaskedLM) else {"use_cache": False}
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
 
 
-# the causal export takes 20 s on 2 cores: a slow test (CI runs it, in the environment that installs onnxruntime)
-@pytest.mark.parametrize("masked", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["masked", "causal"])
-def test_sinkhorn_exports_to_onnx_and_runs_in_onnxruntime_as_in_eager(masked, tmp_path):
-    require_client("onnxscript")  # torch.onnx's dynamo exporter translates through it
-    onnxruntime = require_client("onnxruntime")
-    torch.manual_seed(0)
+def build(name: str) -> torch.nn.Module:
+    if name == "llama":  # transformers' own model: the reference behaviour of the exporter and onnxruntime
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+            max_position_embeddings=64,
+        )  # fmt: skip
+        return LlamaForCausalLM(config)
+    if name == "compressive":  # 32 tokens in segments of 8: memories fill, older ones are compressed
+        config = CompressiveConfig(
+            vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, segment_length=8,
+            mem_len=8, c_mem_len=4, cmem_ratio=2,
+        )  # fmt: skip
+        return CompressiveForCausalLM(config)
+    masked = name == "sinkhorn-masked"
     config = SinkhornConfig(
         vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, bucket_size=8,
         causal=not masked, max_position_embeddings=64, n_local_attn_heads=1, emb_dim=16,
     )  # fmt: skip
-    model = Logits((SinkhornForMaskedLM if masked else SinkhornForCausalLM)(config)).eval()
+    return (SinkhornForMaskedLM if masked else SinkhornForCausalLM)(config)
+
+
+# each export takes 4-10 s on 2 cores, the causal Sinkhorn's 20 s: a slow test (CI runs it, in the environment that
+# installs onnxruntime)
+@pytest.mark.parametrize(
+    "name", ["sinkhorn-masked", pytest.param("sinkhorn-causal", marks=pytest.mark.slow), "compressive", "llama"]
+)
+def test_exports_to_onnx_with_a_dynamic_length_and_runs_in_onnxruntime_as_in_eager(name, tmp_path):
+    require_client("onnxscript")  # torch.onnx's dynamo exporter translates through it
+    onnxruntime = require_client("onnxruntime")
+    torch.manual_seed(0)
+    model = Logits(build(name)).eval()
     ids = torch.randint(0, VOCAB, (2, 32))
     mask = torch.ones(2, 32, dtype=torch.long)
-    mask[1, :5] = 0  # left padding: the real tokens move first (real_tokens_first)
-    program = torch.onnx.export(model, (ids, mask), dynamo=True, verbose=False)
+    mask[1, :5] = 0  # left padding (Sinkhorn moves the real tokens first: real_tokens_first)
+    seq = Dim("seq", min=2, max=32)
+    program = torch.onnx.export(
+        model,
+        (ids, mask),
+        dynamo=True,
+        verbose=False,
+        dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}},
+    )
     program.save(str(tmp_path / "model.onnx"))
 
     session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
-    other_ids = torch.randint(0, VOCAB, (2, 32))  # new inputs of the exported shape
-    for inputs in ((ids, mask), (other_ids, mask)):
-        (logits,) = session.run(None, {"input_ids": inputs[0].numpy(), "attention_mask": inputs[1].numpy()})
+    for length in (32, 13, 5):  # new inputs at the exported length and shorter ones
+        ids = torch.randint(0, VOCAB, (2, length))
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[1, :2] = 0
+        (logits,) = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+        assert logits.shape == (2, length, VOCAB)
         with torch.no_grad():
-            expected = model(*inputs)
-        torch.testing.assert_close(torch.from_numpy(logits), expected, rtol=1e-5, atol=1e-5)
+            expected = model(ids, mask)
+        real = mask.bool()  # (Llama's outputs at padding positions differ between the two; nobody reads them)
+        torch.testing.assert_close(torch.from_numpy(logits)[real], expected[real], rtol=1e-5, atol=1e-5)
