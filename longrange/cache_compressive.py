@@ -22,6 +22,7 @@ from .cache_compressive_static import (
     put_row,
     rewind,
     select_row,
+    static_tensors,
     to_compact,
     to_static,
 )
@@ -312,6 +313,10 @@ class CompressiveMemoryCache(Cache):
     @property
     def is_static(self) -> bool:
         return self.rows_seen is not None
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The static form's tensors by name, which decoding steps read and update in place (`static_tensors`)."""
+        return static_tensors(self)
 
     @property
     def seen_tokens(self) -> int:

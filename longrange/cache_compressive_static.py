@@ -252,6 +252,15 @@ def allocate_groups(cache, compressors) -> None:
             setattr(state, name + "_valid", state.ring_real.new_zeros(batch, groups))
 
 
+def static_tensors(cache) -> dict[str, torch.Tensor]:
+    """Every tensor of the static form by name: the counters and each layer's slot buffers, which decoding steps
+    update in place, and its relative table, which they read."""
+    tensors = {"seen_counter": cache.seen_counter, **{name: getattr(cache, name) for name in cache._ROWS}}
+    for i, state in enumerate(cache.layers):
+        tensors.update({f"layers.{i}.{name}": getattr(state, name) for name in cache._SAVED_STATIC})
+    return {name: tensor for name, tensor in tensors.items() if tensor is not None}
+
+
 def mark_static_addresses(cache) -> None:
     """Marks every tensor of the static form as living at a fixed address (decoding steps update them in place),
     so that a compiled decoding step reads and writes them where they are: CUDA graphs skip a graph that mutates
@@ -259,11 +268,8 @@ def mark_static_addresses(cache) -> None:
     form built there) it does nothing: dynamo cannot trace the marking."""
     if torch.compiler.is_compiling():
         return
-    tensors = [cache.seen_counter] + [getattr(cache, name) for name in cache._ROWS]
-    tensors += [getattr(state, name) for state in cache.layers for name in state._STATIC]
-    for tensor in tensors:
-        if tensor is not None:
-            torch._dynamo.mark_static_address(tensor)
+    for tensor in static_tensors(cache).values():
+        torch._dynamo.mark_static_address(tensor)
 
 
 def select_row(cache, row: int):

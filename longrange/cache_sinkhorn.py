@@ -407,6 +407,15 @@ class SinkhornLayerState:
                 if name in state.tensors:
                     state.tensors[name] = static_buffer(grow_to(state.tensors[name], dim, size))
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of this layer's state by name (keys, values, each routing state's and the context's)."""
+        named = {"keys": self.keys, "values": self.values}
+        for j, state in enumerate([*self.groups, self.cross_state]):  # (the cross-attention's last)
+            if state is not None:
+                named.update({f"routing.{j}.{name}": t for name, t in state.tensors.items()})
+        named.update({f"context.{name}": t for name, t in (self.context or {}).items()})
+        return {name: t for name, t in named.items() if isinstance(t, torch.Tensor)}
+
     def _routing_states(self) -> list[RoutingState]:
         return [state for state in [*self.groups, self.cross_state] if state is not None]
 
@@ -596,6 +605,13 @@ class SinkhornCache(CacheCalls, Cache):
             self.recorded = tuple(None if t is None else fn(t) for t in self.recorded)
         for layer in self.layers:
             layer._apply(remap)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the decoding state by name, which a step reads and updates in place (after a prefill)."""
+        named = {"lengths": self.lengths, "token_mask": self.token_mask, "seen": self.seen}
+        for i, layer in enumerate(self.layers):
+            named.update({f"layers.{i}.{name}": t for name, t in layer.state_tensors().items()})
+        return named
 
     def record_inputs(self, embeds, positions, context=None, context_mask=None) -> None:
         """Keeps the given tokens' embeddings and positions (and, first, the context) for attention maps of

@@ -1,11 +1,18 @@
 """torch.export with a dynamic sequence length: one exported program for every length up to the Dim's max, equal
-to the eager model at lengths that are and are not bucket / segment multiples, as transformers' models give it."""
+to the eager model at lengths that are and are not bucket / segment multiples, as transformers' models give it; and
+an exported decoding step with its cache (`longrange.export.ExportableDecoder`), Llama's through transformers' own
+recipe beside it."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch.export import Dim
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
 from longrange import (
     CompressiveConfig,
@@ -14,6 +21,7 @@ from longrange import (
     SinkhornForCausalLM,
     SinkhornForMaskedLM,
 )
+from longrange.export import ExportableDecoder
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.compiler, "is_exporting"), reason="a dynamic length exports from torch 2.7 on (is_exporting)"
@@ -96,3 +104,84 @@ def test_is_exporting_is_true_under_torch_export_only():
     assert torch.equal(torch.compile(Probe(), backend="eager", fullgraph=True)(x), x)
     torch._dynamo.reset()
     assert torch.equal(torch.export.export(Probe(), (x,), strict=False).module()(x), x + 1)
+
+
+# -- an exported decoding step: the cache's state in the program's buffers, written in place by every call ----------
+
+STEPS = 18  # after a prompt of 7: past bucket starts (buckets of 4) and segment completions (segments of 8)
+
+
+def exported_steps(name: str, ids: torch.Tensor, mask: torch.Tensor, tmp_path):
+    """One-token steps of an exported program (saved and loaded back) after the prompt `ids` -> (step, the prompt's
+    last logits). Llama through transformers' own recipe (its StaticCache in the program; the prompt fed token by
+    token, one row, no padding): the reference behaviour."""
+    torch.manual_seed(0)
+    if name == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, intermediate_size=64, max_position_embeddings=64)).eval()
+        model.generation_config.cache_implementation = "static"
+        recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=ids.shape[1] + STEPS)
+        program = recipe.export(input_ids=ids[:, :1], cache_position=torch.tensor([0]), strict=False)
+        positions = iter(range(ids.shape[1] + STEPS))
+        decoder = None
+    else:
+        model = MODELS[name]().eval()
+        decoder = ExportableDecoder(model, ids, attention_mask=mask, max_new_tokens=STEPS)
+        program = decoder.export()
+    torch.export.save(program, tmp_path / "step.pt2")
+    loaded = torch.export.load(tmp_path / "step.pt2").module()
+    if decoder is not None:
+        return model, loaded, decoder.prompt_logits
+    step = lambda token: loaded(input_ids=token, cache_position=torch.tensor([next(positions)]))  # noqa: E731
+    with torch.no_grad():
+        prompt_logits = [step(ids[:, i : i + 1]) for i in range(ids.shape[1])][-1][:, -1]
+    return model, step, prompt_logits
+
+
+@pytest.mark.parametrize("name", ["compressive", "sinkhorn causal", "llama"])
+def test_an_exported_decoding_step_equals_uncached_forwards_step_after_step(name, tmp_path):
+    generator = torch.Generator().manual_seed(3)
+    rows = 1 if name == "llama" else 2
+    ids = torch.randint(1, VOCAB, (rows, 7), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1:, :3] = 0  # the second row left-padded: the rows at different fills
+    model, step, prompt_logits = exported_steps(name, ids, mask, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(prompt_logits, model(ids, attention_mask=mask, use_cache=False).logits[:, -1])
+        for _ in range(STEPS):  # tokens drawn at random (not the model's own): any next token
+            token = torch.randint(1, VOCAB, (rows, 1), generator=generator)
+            ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+            expected = model(ids, attention_mask=mask, use_cache=False).logits[:, -1:]
+            torch.testing.assert_close(step(token), expected, atol=2e-6, rtol=0, msg=f"token {ids.shape[1]}")
+
+
+def test_an_exported_sinkhorn_step_past_its_cache_fails_loudly_and_bad_arguments_are_refused():
+    model = MODELS["sinkhorn causal"]().eval()
+    ids = torch.randint(1, VOCAB, (1, 5))
+    step = ExportableDecoder(model, ids, max_new_tokens=3).export().module()
+    token = torch.ones(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(3):
+            step(token)
+        with pytest.raises(IndexError):  # the 9th token has no slot in the 8 the cache holds
+            step(token)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        ExportableDecoder(model, ids, max_new_tokens=0)
+    with pytest.raises(TypeError, match="SinkhornForCausalLM or CompressiveForCausalLM"):
+        ExportableDecoder(MODELS["sinkhorn masked"](), ids)
+
+
+def test_a_saved_decoding_step_loads_and_runs_where_longrange_cannot_be_imported(tmp_path):
+    model = MODELS["compressive"]().eval()
+    decoder = ExportableDecoder(model, torch.randint(1, VOCAB, (1, 7)))
+    torch.export.save(decoder.export(), tmp_path / "step.pt2")
+    with torch.no_grad():
+        expected = decoder(torch.ones(1, 1, dtype=torch.long))  # (the decoder's own state, one step on)
+    script = (
+        "import sys; sys.modules['longrange'] = None\n"  # any import of longrange fails
+        "import torch\n"
+        f"step = torch.export.load({str(tmp_path / 'step.pt2')!r}).module()\n"
+        f"torch.save(step(torch.ones(1, 1, dtype=torch.long)), {str(tmp_path / 'logits.pt')!r})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=2e-6, rtol=0)

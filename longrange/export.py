@@ -1,0 +1,78 @@
+"""An exported decoding step: `ExportableDecoder` holds a causal model and its cache after a prompt, the cache's
+tensors registered as the module's buffers, so that `torch.export` gives one program whose every call is a one-token
+decoding step.
+
+An exported program keeps its buffers and the in-place writes a call makes to them. The decoding caches of both
+models keep their whole state in preallocated tensors that a step updates in place on the compiled path (static
+shapes, nothing read back to the host: the path `torch.compile` takes, and the one a program is traced on), so the
+program carries the state from one call to the next, as transformers' `TorchExportableModuleWithStaticCache` does
+for a `StaticCache`. The prompt itself runs here, eagerly: the caches' prefill is another computation (Sinkhorn's
+routing of whole buckets, the Compressive model's segments) that a one-token program does not hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache_compressive import CompressiveMemoryCache
+from .cache_sinkhorn import SinkhornCache
+from .modeling_compressive import CompressiveForCausalLM
+from .modeling_sinkhorn import SinkhornForCausalLM
+
+
+def decoding_cache(model: nn.Module, max_cache_len: int | None):
+    """The cache of `model`'s decoding steps in the form they update in place (as `generate()` makes it)."""
+    if isinstance(model, SinkhornForCausalLM):  # preallocated for max_cache_len tokens (default: every position)
+        return SinkhornCache(model.config, max_cache_len=max_cache_len, static_steps=True)
+    if isinstance(model, CompressiveForCausalLM):  # bounded: any number of steps
+        cache = CompressiveMemoryCache(model.config.num_hidden_layers)
+        cache.prefill_to_static = True  # the prompt's no-grad forward leaves the static form the steps write
+        return cache
+    raise TypeError(f"ExportableDecoder: model must be a SinkhornForCausalLM or CompressiveForCausalLM, got {model!r}")
+
+
+class ExportableDecoder(nn.Module):
+    """One-token decoding steps of `model` after the prompt `input_ids` [batch, n] (left-padded rows marked by
+    `attention_mask`), exportable with `torch.export`: each call takes every row's next token [batch, 1] and returns
+    its logits [batch, 1, vocab], the cache's state kept in this module's buffers. `prompt_logits` [batch, vocab]
+    are the prompt's last logits. A Sinkhorn cache holds the prompt and `max_new_tokens` more tokens (default: up
+    to `max_position_embeddings`); the Compressive cache is bounded, any number of steps. Put the model in eval
+    mode first (dropout would be traced as it is)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int | None = None,
+    ):
+        super().__init__()
+        if not hasattr(torch.compiler, "is_exporting"):  # (the export-only paths of the models are told apart so)
+            raise RuntimeError(f"ExportableDecoder needs torch >= 2.7, found {torch.__version__}")
+        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+            raise ValueError(f"ExportableDecoder: max_new_tokens must be an int >= 1 or None, got {max_new_tokens!r}")
+        self.model = model
+        total = None if max_new_tokens is None else input_ids.shape[-1] + max_new_tokens
+        self.cache = decoding_cache(model, total)
+        with torch.no_grad():
+            out = model(input_ids, attention_mask=attention_mask, cache=self.cache, use_cache=True)
+        self.prompt_logits = out.logits[:, -1]
+        for name, tensor in self.cache.state_tensors().items():
+            self.register_buffer(name.replace(".", "_"), tensor, persistent=False)
+
+    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, cache=self.cache, use_cache=True).logits
+
+    def export(self) -> torch.export.ExportedProgram:
+        """`torch.export.export` of one step (traced with each row's greedy next token; non-strict). The program's
+        `module()` starts from this decoder's state and shares its tensors (a saved and loaded program has its own).
+        Tracing wrote a step into the 0-dim counter of the Sinkhorn cache for real (torch 2.13: the one state tensor
+        that changed), so the state is put back as it was."""
+        state = self.cache.state_tensors()
+        before = {name: tensor.clone() for name, tensor in state.items()}
+        with torch.no_grad():
+            program = torch.export.export(self, (self.prompt_logits.argmax(-1, keepdim=True),), strict=False)
+            for name, tensor in state.items():
+                tensor.copy_(before[name])
+        return program
