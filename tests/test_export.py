@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.export import Dim
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
 from longrange import (
     CompressiveConfig,
@@ -117,6 +116,8 @@ def exported_steps(name: str, ids: torch.Tensor, mask: torch.Tensor, tmp_path):
     token, one row, no padding): the reference behaviour."""
     torch.manual_seed(0)
     if name == "llama":
+        from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
         model = LlamaForCausalLM(LlamaConfig(**SMALL, intermediate_size=64, max_position_embeddings=64)).eval()
         model.generation_config.cache_implementation = "static"
         recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=ids.shape[1] + STEPS)
