@@ -65,14 +65,9 @@ class ExportableDecoder(nn.Module):
         return self.model(input_ids=input_ids, cache=self.cache, use_cache=True).logits
 
     def export(self) -> torch.export.ExportedProgram:
-        """`torch.export.export` of one step (traced with each row's greedy next token; non-strict). The program's
-        `module()` starts from this decoder's state and shares its tensors (a saved and loaded program has its own).
-        Tracing wrote a step into the 0-dim counter of the Sinkhorn cache for real (torch 2.13: the one state tensor
-        that changed), so the state is put back as it was."""
-        state = self.cache.state_tensors()
-        before = {name: tensor.clone() for name, tensor in state.items()}
+        """`torch.export.export` of one step, traced by dynamo (strict, as transformers' recipe exports), which
+        takes the cache's tensors for this module's buffers: the program's steps update them in place (the buffer
+        mutations of the decomposed program; a non-strict trace read them as constants). Its `module()` starts from
+        this decoder's state and shares its tensors (a saved and loaded program has its own)."""
         with torch.no_grad():
-            program = torch.export.export(self, (self.prompt_logits.argmax(-1, keepdim=True),), strict=False)
-            for name, tensor in state.items():
-                tensor.copy_(before[name])
-        return program
+            return torch.export.export(self, (self.prompt_logits.argmax(-1, keepdim=True),), strict=True)

@@ -186,3 +186,15 @@ def test_a_saved_decoding_step_loads_and_runs_where_longrange_cannot_be_imported
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["compressive", "sinkhorn causal"])
+def test_an_exported_decoding_step_keeps_the_cache_state_as_buffers_it_mutates(name):
+    """What runtimes that lower an exported program (ExecuTorch, AOTInductor) read: the decomposed program's buffer
+    mutations. (A non-strict trace took the cache's tensors for constants, mutated in place behind the signature.)"""
+    decoder = ExportableDecoder(MODELS[name]().eval(), torch.randint(1, VOCAB, (1, 7)))
+    signature = decoder.export().run_decompositions().graph_signature
+    buffers = {name.replace(".", "_") for name in decoder.cache.state_tensors()}
+    assert set(signature.buffers) <= buffers  # (those a step never reads are left out: rows_history, kept for crop)
+    counter, keys = ("seen_counter", "layers_0_ring_keys") if name == "compressive" else ("seen", "layers_0_keys")
+    assert {counter, keys} <= set(signature.buffers_to_mutate.values()) <= buffers
