@@ -55,6 +55,11 @@
 #    about 5 minutes on 2 CPU cores, not yet run on a GPU):
 #        run(command="bash benchmarks/device_run.sh packing", carry=[".whl"], timeout_s=270)
 #    -> $OUT/packing.json, packing.log (docs/benchmarks.md, "Packed batches").
+# 9. A decoding step exported with its cache (`longrange.export.ExportableDecoder`, both models, Llama through
+#    transformers' recipe beside them) on the GPU: each step against uncached forwards (tests/test_export.py's CUDA
+#    cases, skipped without a device; about a minute, not yet run on a GPU):
+#        run(command="bash benchmarks/device_run.sh export", carry=[".whl"], timeout_s=180)
+#    -> $OUT/export.log.
 # Results go to $OUT (bench.json with the decoding rows merged in, decode.json, bench.log, decode.log, train.log;
 # they come back: copy bench.json to docs/benchmarks/gpu.json here).
 set -uo pipefail
@@ -142,6 +147,11 @@ PY
 if wants tests; then
     # the default suite (CPU tests: longer than one device command; run it only when a session has minutes to spare)
     timeout 90 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" || status=1
+fi
+
+if wants export; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_export.py -k cuda 2>&1 \
+        | tee "$OUT/export.log" || status=1
 fi
 
 if wants recall; then

@@ -110,49 +110,59 @@ def test_is_exporting_is_true_under_torch_export_only():
 STEPS = 18  # after a prompt of 7: past bucket starts (buckets of 4) and segment completions (segments of 8)
 
 
+CUDA = pytest.param(  # (benchmarks/device_run.sh's `export` phase runs these on the device)
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+)
+
+
 def exported_steps(name: str, ids: torch.Tensor, mask: torch.Tensor, tmp_path):
     """One-token steps of an exported program (saved and loaded back) after the prompt `ids` -> (step, the prompt's
     last logits). Llama through transformers' own recipe (its StaticCache in the program; the prompt fed token by
     token, one row, no padding): the reference behaviour."""
     torch.manual_seed(0)
+    device = ids.device
     if name == "llama":
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-        model = LlamaForCausalLM(LlamaConfig(**SMALL, intermediate_size=64, max_position_embeddings=64)).eval()
+        config = LlamaConfig(**SMALL, intermediate_size=64, max_position_embeddings=64)
+        model = LlamaForCausalLM(config).to(device).eval()
         model.generation_config.cache_implementation = "static"
-        recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=ids.shape[1] + STEPS)
-        program = recipe.export(input_ids=ids[:, :1], cache_position=torch.tensor([0]), strict=False)
+        recipe = TorchExportableModuleForDecoderOnlyLM(model, 1, ids.shape[1] + STEPS, device)
+        program = recipe.export(input_ids=ids[:, :1], cache_position=torch.tensor([0], device=device), strict=False)
         positions = iter(range(ids.shape[1] + STEPS))
         decoder = None
     else:
-        model = MODELS[name]().eval()
+        model = MODELS[name]().to(device).eval()
         decoder = ExportableDecoder(model, ids, attention_mask=mask, max_new_tokens=STEPS)
         program = decoder.export()
     torch.export.save(program, tmp_path / "step.pt2")
     loaded = torch.export.load(tmp_path / "step.pt2").module()
     if decoder is not None:
         return model, loaded, decoder.prompt_logits
-    step = lambda token: loaded(input_ids=token, cache_position=torch.tensor([next(positions)]))  # noqa: E731
+    step = lambda token: loaded(input_ids=token, cache_position=torch.tensor([next(positions)], device=device))  # noqa: E731
     with torch.no_grad():
         prompt_logits = [step(ids[:, i : i + 1]) for i in range(ids.shape[1])][-1][:, -1]
     return model, step, prompt_logits
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("name", ["compressive", "sinkhorn causal", "llama"])
-def test_an_exported_decoding_step_equals_uncached_forwards_step_after_step(name, tmp_path):
+def test_an_exported_decoding_step_equals_uncached_forwards_step_after_step(name, device, tmp_path):
     generator = torch.Generator().manual_seed(3)
     rows = 1 if name == "llama" else 2
-    ids = torch.randint(1, VOCAB, (rows, 7), generator=generator)
+    ids = torch.randint(1, VOCAB, (rows, 7), generator=generator).to(device)
     mask = torch.ones_like(ids)
     mask[1:, :3] = 0  # the second row left-padded: the rows at different fills
     model, step, prompt_logits = exported_steps(name, ids, mask, tmp_path)
+    atol = 2e-6 if device == "cpu" else 1e-4  # (a GPU's attention kernels round otherwise)
     with torch.no_grad():
-        torch.testing.assert_close(prompt_logits, model(ids, attention_mask=mask, use_cache=False).logits[:, -1])
+        expected = model(ids, attention_mask=mask, use_cache=False).logits[:, -1]
+        torch.testing.assert_close(prompt_logits, expected, atol=atol, rtol=0)
         for _ in range(STEPS):  # tokens drawn at random (not the model's own): any next token
-            token = torch.randint(1, VOCAB, (rows, 1), generator=generator)
+            token = torch.randint(1, VOCAB, (rows, 1), generator=generator).to(device)
             ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
             expected = model(ids, attention_mask=mask, use_cache=False).logits[:, -1:]
-            torch.testing.assert_close(step(token), expected, atol=2e-6, rtol=0, msg=f"token {ids.shape[1]}")
+            torch.testing.assert_close(step(token), expected, atol=atol, rtol=0, msg=f"token {ids.shape[1]}")
 
 
 def test_an_exported_sinkhorn_step_past_its_cache_fails_loudly_and_bad_arguments_are_refused():
