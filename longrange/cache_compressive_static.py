@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .compression import DilatedConvCompression
-from .layers import put_along
+from .layers import put_along, where
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def write_slots(buffer: torch.Tensor, index: torch.Tensor, take: torch.Tensor, v
     """buffer's slots `index` [batch, n] (distinct per row) <- values where take [batch, n], unchanged elsewhere."""
     dim = slot_dim(buffer)
     take = take.view(*take.shape[:1], *([1] * (dim - 1)), take.shape[1], *([1] * (buffer.dim() - dim - 1)))
-    put_along(buffer, dim, index, torch.where(take, values, gather_slots(buffer, index)))
+    put_along(buffer, dim, index, where(take, values, gather_slots(buffer, index)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 
 from .cache_sinkhorn_calls import CacheCalls, Chunk, DecodingStep, grow_to, static_buffer
 from .configuration_sinkhorn import SinkhornConfig
-from .layers import put_along
+from .layers import put_along, where
 from .sinkhorn_routing import (
     additive,
     batch_head_index,
@@ -155,7 +155,7 @@ class RoutingState:
         # in place: the state keeps its addresses (CUDA graphs replay a compiled step over the same buffers)
         for name, new in (("route", idx), ("route_valid", picked_valid), ("route_weight", weight)):
             if new is not None:
-                t[name].copy_(torch.where(keep, new, t[name]))
+                t[name].copy_(where(keep, new, t[name]))
 
     def any_row_leads(self, host: tuple) -> bool:
         """Host-following step: whether some row's real token leads a bucket (so routes), read from the host."""
@@ -217,7 +217,7 @@ class RoutingState:
         slot = torch.arange(size, device=choice.device)
         pos = (which - n_null)[..., None] * size - off + slot  # [b, h, n_sel + 1, B] token positions
         null_slots = slot >= 0 if g.null_copies else slot == 0
-        routed_m = torch.where((choice < n_null)[..., None], null_slots, pos[:, :, :-1] >= 0)
+        routed_m = where((choice < n_null)[..., None], null_slots, pos[:, :, :-1] >= 0)
         routed_m = routed_m & t["route_valid"][..., None]
         own_m = (pos[:, :, -1:] >= 0) & (pos[:, :, -1:] <= position[:, None, None, None])
         m = torch.cat([routed_m, own_m], dim=2).reshape(b, h, 1, -1)  # [b, h, 1, K]: the token always sees itself

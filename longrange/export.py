@@ -8,6 +8,10 @@ shapes, nothing read back to the host: the path `torch.compile` takes, and the o
 program carries the state from one call to the next, as transformers' `TorchExportableModuleWithStaticCache` does
 for a `StaticCache`. The prompt itself runs here, eagerly: the caches' prefill is another computation (Sinkhorn's
 routing of whole buckets, the Compressive model's segments) that a one-token program does not hold.
+
+ONNX has no state that persists between calls: `torch.onnx` keeps a program's buffers as constants and drops its
+writes to them, so the step's ONNX form (`ExportableDecoder.export_onnx`) takes the whole state as inputs and returns
+it, updated, as outputs (`StatePassingStep`), as ONNX decoders pass their past keys and values.
 """
 
 from __future__ import annotations
@@ -70,4 +74,49 @@ class ExportableDecoder(nn.Module):
         mutations of the decomposed program; a non-strict trace read them as constants). Its `module()` starts from
         this decoder's state and shares its tensors (a saved and loaded program has its own)."""
         with torch.no_grad():
-            return torch.export.export(self, (self.prompt_logits.argmax(-1, keepdim=True),), strict=True)
+            return torch.export.export(self, (self.first_token(),), strict=True)
+
+    def first_token(self) -> torch.LongTensor:
+        """[batch, 1]: the prompt's greedy next token (a step's example input)."""
+        return self.prompt_logits.argmax(-1, keepdim=True)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """A copy of the cache's state by name, each under the name the ONNX step takes it (`past.` + its name)."""
+        return {f"past.{name}": tensor.clone() for name, tensor in self.cache.state_tensors().items()}
+
+    def export_onnx(self, path: str | None = None):
+        """The step as an ONNX program (`torch.onnx.ONNXProgram`, saved to `path` if given) that passes the state
+        through: inputs `input_ids` [batch, 1] and the state (`state()`'s names and shapes), outputs `logits`
+        [batch, 1, vocab] and the state after the step (`present.` + each name, in the inputs' order). Start from
+        `state()` (after the prompt) and feed each call's state outputs to the next call. Needs onnxscript."""
+        state = self.cache.state_tensors()
+        step = StatePassingStep(self, list(state.values()))
+        with torch.no_grad():  # traced by dynamo first (see `export`), then translated
+            program = torch.export.export(step, (self.first_token(), *state.values()), strict=True)
+        onnx_program = torch.onnx.export(
+            program,
+            dynamo=True,
+            verbose=False,
+            input_names=["input_ids", *(f"past.{name}" for name in state)],
+            output_names=["logits", *(f"present.{name}" for name in state)],
+        )
+        if path is not None:
+            onnx_program.save(str(path))
+        return onnx_program
+
+
+class StatePassingStep(nn.Module):
+    """`step` (a module whose calls update the tensors `state` in place) as a function of the state: it takes the
+    step's inputs followed by a value for every state tensor, copies those in, runs the step and returns its output
+    followed by the state after it. For runtimes that keep no state between calls (ONNX)."""
+
+    def __init__(self, step: nn.Module, state: list[torch.Tensor]):
+        super().__init__()
+        self.step, self.state = step, state
+
+    def forward(self, *inputs_and_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs, values = inputs_and_state[: -len(self.state)], inputs_and_state[-len(self.state) :]
+        for tensor, value in zip(self.state, values):
+            tensor.copy_(value)
+        output = self.step(*inputs)
+        return output, *(tensor.clone() for tensor in self.state)

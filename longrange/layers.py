@@ -41,6 +41,15 @@ def merge_heads(out: torch.Tensor) -> torch.Tensor:
     return out.reshape(*out.shape[:2], -1)
 
 
+def where(condition: torch.Tensor, input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`torch.where`; over bool tensors, while exporting, as `(condition & input) | (~condition & other)` (the same
+    values): onnxruntime has no kernel for ONNX's Where over bool tensors (microsoft/onnxruntime#9539, #24127), which
+    the decoding caches' in-place masks would otherwise need."""
+    if input.dtype == torch.bool and is_exporting():
+        return (condition & input) | (~condition & other)
+    return torch.where(condition, input, other)
+
+
 def unit_output(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     """`output` of `module`, a tensor of its own (not a view) where `module` is an FSDP2 unit of its own (weight
     tie's shared modules are): FSDP2 hooks a unit's output for the backward's parameter gathering, and an in-place

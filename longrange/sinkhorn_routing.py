@@ -335,17 +335,21 @@ def pick_buckets(tensors, heads: slice, start: int, size: int, which: torch.Tens
 
     tensors: a layer's keys and values, each [b, H, S, d] (S a multiple of size); heads: the group's heads;
     which: [b, h or 1, k] bucket indices (clamped into range; callers mask what falls outside) -> each [b, h,
-    k * size, d]. Every (row, head, bucket) is one row of a strided view of the cache, so the pick is one
-    `index_select` of contiguous blocks (several times faster on the CPU than advanced indexing or `gather`)."""
+    k * size, d]. Every (row, head, bucket) is one row of a view of the cache as blocks of `size` slots (from slot
+    `start % size` of the flattened tensor), so the pick is one `index_select` of contiguous blocks (several times
+    faster on the CPU than advanced indexing or `gather`). The view is a slice and a reshape, not `as_strided`,
+    which torch.onnx writes as a Gather of every element of the view (the cost of the whole cache each step)."""
     b, n_heads, slots, d = tensors[0].shape
     per_head = slots // size
     skip, shift = divmod(start, size)  # whole buckets, then slots
     h = heads.stop - heads.start
     head = torch.arange(b, device=which.device)[:, None] * n_heads + heads.start + torch.arange(h, device=which.device)
     flat = (head[..., None] * per_head + (which + skip).clamp(0, per_head - 2)).reshape(-1)  # [b * h * k]
-    # (each tensor is a cache tensor of its own: contiguous, at the start of its storage)
-    shape, strides = (b * n_heads * per_head - 1, size, d), (size * d, d, 1)
-    return [t.as_strided(shape, strides, shift * d).index_select(0, flat).view(b, h, -1, d) for t in tensors]
+    blocks = (b * n_heads * per_head - 1) * size  # (the last block would run past the end when shift > 0)
+    return [
+        t.view(-1, d).narrow(0, shift, blocks).view(-1, size, d).index_select(0, flat).view(b, h, -1, d)
+        for t in tensors
+    ]
 
 
 def prev_bucket(t: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:

@@ -6,10 +6,15 @@ first (`real_tokens_first`) and to pick the best buckets with ties to the lowest
 takes `_top_rounds` while exporting). Both are written with exportable operators; the first tests hold them to
 torch's stable sort, the reference they replace. The attention outputs' head merge copies explicitly while exporting
 (`merge_heads`): the exporter's attention returns other strides than the traced op (pytorch/pytorch#136543).
+
+A decoding step with its cache (`ExportableDecoder.export_onnx`) passes the cache's state in and out, as Llama's
+static-cache step does through the same `StatePassingStep`; onnxruntime has no Where over bool tensors, which the
+caches' in-place masks would use (`layers.where` writes those as logical operations while exporting).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from client_utils import require_client
@@ -25,6 +30,7 @@ from longrange import (
     layers,
     sinkhorn_routing,
 )
+from longrange.export import ExportableDecoder, StatePassingStep
 from longrange.layers import real_tokens_first
 from longrange.sinkhorn_routing import _top_rounds, top_indices
 from tests.dispatch_utils import count_dispatched_ops
@@ -84,6 +90,19 @@ def test_merge_heads_copies_only_while_exporting(monkeypatch):
         merged = layers.merge_heads(out)
         assert torch.equal(merged, expected)
         assert (merged.data_ptr() == heads_last.data_ptr()) is shares_memory  # eager: a view, no copy
+
+
+def test_where_over_bool_tensors_is_logical_operations_while_exporting(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    condition, a, b = (torch.rand(3, 1, 5, generator=generator) > 0.5 for _ in range(3))
+    b = b.expand(3, 4, 5)  # broadcast, as the caches' masks are
+    for exporting in (False, True):
+        monkeypatch.setattr(layers, "is_exporting", lambda exporting=exporting: exporting)
+        c, x, y = (t.flatten().tolist() for t in torch.broadcast_tensors(condition, a, b))
+        expected = torch.tensor([xi if ci else yi for ci, xi, yi in zip(c, x, y)]).view(3, 4, 5)  # by hand
+        assert torch.equal(layers.where(condition, a, b), expected)
+        floats = torch.randn(3, 4, 5, generator=generator)
+        assert torch.equal(layers.where(condition, floats, -floats), torch.where(condition, floats, -floats))
 
 
 class Logits(torch.nn.Module):
@@ -153,3 +172,80 @@ def test_exports_to_onnx_with_a_dynamic_length_and_runs_in_onnxruntime_as_in_eag
             expected = model(ids, mask)
         real = mask.bool()  # (Llama's outputs at padding positions differ between the two; nobody reads them)
         torch.testing.assert_close(torch.from_numpy(logits)[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
+# -- a decoding step with its cache: the state passed in and returned ------------------------------------------------
+
+PROMPT, STEPS = 7, 18  # segments and buckets of 8: the steps complete segments, compress memories, start buckets
+
+
+class LlamaStep(torch.nn.Module):
+    """transformers' static-cache step (TorchExportableModuleWithStaticCache) called by keyword, as it must be."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, cache_position):
+        return self.model(input_ids=input_ids, cache_position=cache_position)
+
+
+def onnx_step(name: str, model, ids, mask, path):
+    """(session, the step's inputs besides the token and state, the state after the prompt, the prompt's last
+    logits): our models through ExportableDecoder.export_onnx; Llama's static-cache step (transformers' own recipe)
+    through the same StatePassingStep, its prompt fed token by token from an empty cache (one row, no padding)."""
+    onnxruntime = require_client("onnxruntime")
+    if name != "llama":
+        decoder = ExportableDecoder(model, ids, attention_mask=mask, max_new_tokens=STEPS)
+        before = {key: value.clone() for key, value in decoder.cache.state_tensors().items()}
+        decoder.export_onnx(path)
+        for key, value in decoder.cache.state_tensors().items():  # exporting ran no step for real
+            assert torch.equal(value, before[key]), key
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        state = {key: value.numpy() for key, value in decoder.state().items()}
+        return session, lambda: {}, state, decoder.prompt_logits
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model.generation_config.cache_implementation = "static"
+    recipe = TorchExportableModuleForDecoderOnlyLM(model, 1, PROMPT + STEPS, "cpu")
+    state = [tensor for layer in recipe.model.static_cache.layers for tensor in (layer.keys, layer.values)]
+    step = StatePassingStep(LlamaStep(recipe.model), state)
+    names = [f"past.{i}" for i in range(len(state))]
+    with torch.no_grad():
+        program = torch.export.export(step, (ids[:, :1], torch.tensor([0]), *state), strict=True)
+    torch.onnx.export(
+        program, dynamo=True, verbose=False, input_names=["input_ids", "cache_position", *names],
+        output_names=["logits", *(f"present.{i}" for i in range(len(state)))],
+    ).save(str(path))  # fmt: skip
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    positions = iter(range(PROMPT + STEPS))
+    extra = lambda: {"cache_position": np.array([next(positions)])}  # noqa: E731
+    values = {name: np.zeros(tensor.shape, np.float32) for name, tensor in zip(names, state)}
+    for i in range(PROMPT):
+        logits, *new = session.run(None, {"input_ids": ids[:, i : i + 1].numpy(), **extra(), **values})
+        values = dict(zip(values, new))
+    return session, extra, values, torch.from_numpy(logits[:, -1])
+
+
+# each export takes 5-25 s on 2 cores (the causal Sinkhorn step the longest): the Sinkhorn case is a slow test
+@pytest.mark.parametrize("name", ["compressive", pytest.param("sinkhorn-causal", marks=pytest.mark.slow), "llama"])
+def test_a_decoding_step_exports_to_onnx_with_its_state_and_runs_in_onnxruntime_as_uncached_forwards(name, tmp_path):
+    require_client("onnxscript")
+    torch.manual_seed(0)
+    model = build(name).eval()
+    generator = torch.Generator().manual_seed(1)
+    rows = 1 if name == "llama" else 2
+    ids = torch.randint(1, VOCAB, (rows, PROMPT), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1:, :3] = 0  # our second row left-padded: the rows at different fills
+    session, extra, state, prompt_logits = onnx_step(name, model, ids, mask, tmp_path / "step.onnx")
+    assert [o.name for o in session.get_outputs()] == ["logits", *(n.replace("past.", "present.") for n in state)]
+    with torch.no_grad():
+        torch.testing.assert_close(prompt_logits, model(ids, attention_mask=mask).logits[:, -1], atol=2e-6, rtol=0)
+        for _ in range(STEPS):  # tokens drawn at random (not the model's own): any next token
+            token = torch.randint(1, VOCAB, (rows, 1), generator=generator)
+            logits, *new = session.run(None, {"input_ids": token.numpy(), **extra(), **state})
+            state = dict(zip(state, new))
+            ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+            expected = model(ids, attention_mask=mask, use_cache=False).logits[:, -1:]
+            torch.testing.assert_close(torch.from_numpy(logits), expected, atol=2e-6, rtol=0, msg=f"{ids.shape[1]}")
