@@ -1,8 +1,8 @@
 """The Compressive model's memory cache, `CompressiveMemoryCache`: per layer the compressed memory, the memory and
 the unfinished segment ("pending"), in a compact form (multi-token forwards, training) or a static form
 (`StaticLayout`: fixed-size buffers and per-row counters updated in place, for decoding steps that compile to one
-graph). The decoder layers apply the memory schedule to it (`CompressiveDecoderLayer.update_memory`), driven by
-the segment runner (`segments_compressive.py`).
+graph). The decoder layers apply the memory schedule to it (`CompressiveDecoderLayer.update_memory`, in
+`memory_compressive.py`), driven by the segment runner (`segments_compressive.py`).
 
 Only same-folder relative imports: `save_pretrained` copies this file next to the weights.
 """

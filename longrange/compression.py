@@ -122,8 +122,8 @@ class MostUsedCompression(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Pieces of the reconstruction losses that train f_c (`CompressiveDecoderLayer.attention_reconstruction_loss`,
-# `autoencoding_loss`)
+# Pieces of the reconstruction losses that train f_c (`MemoryUpdate.attention_reconstruction_loss`,
+# `autoencoding_loss`, in memory_compressive.py)
 # ----------------------------------------------------------------------------------------------------------------
 
 

@@ -119,6 +119,7 @@ def test_saved_folder_loads_with_trust_remote_code_without_longrange(tmp_path):
     assert config["auto_map"]["AutoModelForCausalLM"].endswith("CompressiveForCausalLM")
     for name in (
         "modeling_compressive.py",
+        "memory_compressive.py",
         "cache_compressive.py",
         "configuration_compressive.py",
         "layers.py",

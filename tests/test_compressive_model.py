@@ -157,7 +157,7 @@ def test_gradients_of_one_forward_match_plain_autograd_and_segment_wise_calls(la
     segment's memories and projects memories with a hand-written backward, against the same forward with that
     projection done by plain autograd. (b) Memories are constants, so the same gradient is the sum of the
     gradients of one call per segment passing the cache along."""
-    from longrange import modeling_compressive
+    from longrange import memory_compressive
 
     model = tiny_model(layer_norm_position=layer_norm_position).double()
     with torch.no_grad():  # non-trivial norm parameters, so that every term of the memory projection's backward counts
@@ -179,7 +179,7 @@ def test_gradients_of_one_forward_match_plain_autograd_and_segment_wise_calls(la
 
     full = grads(16)
     split = grads(4)
-    monkeypatch.setattr(modeling_compressive._MemoryProjection, "apply", _plain_memory_projection)
+    monkeypatch.setattr(memory_compressive._MemoryProjection, "apply", _plain_memory_projection)
     plain = grads(16)
     assert any(g is not None and g.abs().sum() > 0 for g in full)
     for (name, _), a, b, c in zip(named, full, split, plain):
