@@ -36,19 +36,9 @@ FAMILIES = ("compressive", "sinkhorn", "llama")
 MODES = ("eager", "exported", "onnxruntime")
 
 
-class LlamaStep(torch.nn.Module):
-    """transformers' static-cache step, called by keyword (its positional order puts embeddings second)."""
-
-    def __init__(self, recipe_model):
-        super().__init__()
-        self.model = recipe_model
-
-    def forward(self, input_ids, cache_position):
-        return self.model(input_ids=input_ids, cache_position=cache_position)
-
-
-def steps_of(family: str, size: dict, context: int, folder: Path) -> dict:
-    """Per mode a function running one step (a fixed token), the export time and the state's megabytes."""
+def steps_of(family: str, size: dict, context: int, calls: int, folder: Path) -> dict:
+    """Per mode a function running one step (a fixed token), the export time and the state's megabytes. Ours
+    advance their cache at every call (eager and exported share it): it holds `calls` steps after the prompt."""
     import onnxruntime
 
     from longrange.export import ExportableDecoder, StatePassingStep
@@ -65,12 +55,14 @@ def steps_of(family: str, size: dict, context: int, folder: Path) -> dict:
             model.generation_config.cache_implementation = "static"
             recipe = TorchExportableModuleForDecoderOnlyLM(model, 1, context + 1, "cpu")
             position = torch.tensor([context])  # (every call writes the same slot: the time is the same)
-            eager = LlamaStep(recipe.model)
+            llama_step = recipe.model  # (keyword arguments only: its second positional one is embeddings)
+            eager = lambda *inputs: llama_step(input_ids=inputs[0], cache_position=inputs[1])  # noqa: E731
             state = [t for layer in recipe.model.static_cache.layers for t in (layer.keys, layer.values)]
             inputs, names = (token, position), [f"past.{i}" for i in range(len(state))]
             program = recipe.export(input_ids=token, cache_position=position, strict=False).module()
             exported = lambda: program(input_ids=token, cache_position=position)  # noqa: E731
-            step_program = torch.export.export(StatePassingStep(eager, state), (*inputs, *state), strict=True)
+            passing = StatePassingStep(llama_step, state, input_names=("input_ids", "cache_position"))
+            step_program = torch.export.export(passing, (*inputs, *state), strict=True)
             feed = {"input_ids": token.numpy(), "cache_position": position.numpy()}
             torch.onnx.export(
                 step_program, dynamo=True, verbose=False, input_names=["input_ids", "cache_position", *names],
@@ -78,7 +70,7 @@ def steps_of(family: str, size: dict, context: int, folder: Path) -> dict:
             ).save(path)  # fmt: skip
             values = {name: t.numpy().copy() for name, t in zip(names, state)}
         else:
-            eager = ExportableDecoder(model, prompt, max_new_tokens=64)
+            eager = ExportableDecoder(model, prompt, max_new_tokens=calls)
             inputs, program = (token,), eager.export().module()
             exported = lambda: program(token)  # noqa: E731
             eager.export_onnx(path)
@@ -101,7 +93,7 @@ def steps_of(family: str, size: dict, context: int, folder: Path) -> dict:
 
 
 def measure(family: str, size: dict, context: int, steps: int, rounds: int, folder: Path) -> dict:
-    made = steps_of(family, size, context, folder)
+    made = steps_of(family, size, context, size["new_tokens"], folder)
     times = {mode: [] for mode in MODES}
     with torch.no_grad():
         for _ in range(rounds):
@@ -145,8 +137,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     size = decoding.sizes(args.quick)
     context = args.context or (64 if args.quick else 1024)
-    size["contexts"], size["new_tokens"] = [context], 64
     steps, rounds = args.steps or (2 if args.quick else 20), 1 if args.quick else args.rounds
+    size["contexts"], size["new_tokens"] = [context], len(MODES) * rounds * (3 + steps)  # every call a new token
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
         for family in args.families:

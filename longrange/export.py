@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .cache_compressive import CompressiveMemoryCache
+from .cache_compressive_static import materialize_groups
 from .cache_sinkhorn import SinkhornCache
 from .modeling_compressive import CompressiveForCausalLM
 from .modeling_sinkhorn import SinkhornForCausalLM
@@ -62,6 +63,12 @@ class ExportableDecoder(nn.Module):
         with torch.no_grad():
             out = model(input_ids, attention_mask=attention_mask, cache=self.cache, use_cache=True)
         self.prompt_logits = out.logits[:, -1]
+        cache = self.cache
+        if isinstance(cache, CompressiveMemoryCache) and cache._layout.grouped and not cache._groups_ready:
+            # Every traced step keeps the group buffers current; a step that finds them stale compresses every held
+            # group first, and a trace of it would do so at every call (7x the step's time at hidden 512 x 6).
+            with torch.no_grad():
+                materialize_groups(cache, model.model.layers)
         for name, tensor in self.cache.state_tensors().items():
             self.register_buffer(name.replace(".", "_"), tensor, persistent=False)
 
@@ -108,15 +115,20 @@ class ExportableDecoder(nn.Module):
 class StatePassingStep(nn.Module):
     """`step` (a module whose calls update the tensors `state` in place) as a function of the state: it takes the
     step's inputs followed by a value for every state tensor, copies those in, runs the step and returns its output
-    followed by the state after it. For runtimes that keep no state between calls (ONNX)."""
+    followed by the state after it. For runtimes that keep no state between calls (ONNX). With `input_names` the
+    inputs are passed to `step` by those names (e.g. transformers' `TorchExportableModuleWithStaticCache`, which
+    takes `input_ids` and `cache_position`), else in order."""
 
-    def __init__(self, step: nn.Module, state: list[torch.Tensor]):
+    def __init__(self, step: nn.Module, state: list[torch.Tensor], input_names: tuple[str, ...] | None = None):
         super().__init__()
-        self.step, self.state = step, state
+        self.step, self.state, self.input_names = step, state, input_names
 
     def forward(self, *inputs_and_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs, values = inputs_and_state[: -len(self.state)], inputs_and_state[-len(self.state) :]
         for tensor, value in zip(self.state, values):
             tensor.copy_(value)
-        output = self.step(*inputs)
+        if self.input_names is None:
+            output = self.step(*inputs)
+        else:
+            output = self.step(**dict(zip(self.input_names, inputs, strict=True)))
         return output, *(tensor.clone() for tensor in self.state)
