@@ -1,6 +1,7 @@
-"""The training run behind `longrange train`: data, model and optimizer under Accelerate, the loop, checkpoints and
-the final artefacts (model folder with its card, curves, samples, metrics). `longrange.commands.train` holds the
-options and the pieces they select; this module holds one run's state and steps."""
+"""The training run behind `longrange train`: data, model and optimizer under Accelerate, the loop and the final
+artefacts (model folder with its card, curves, samples, metrics). `longrange.commands.train` holds the options and
+the pieces they select, `longrange.commands.train_checkpoint` what a checkpoint holds and how a run resumes from
+it; this module holds one run's state and steps, and its report."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from longrange.commands.train_checkpoint import Checkpoints
 from longrange.training import (
     TrainState,
     carries_cache,
@@ -103,59 +105,6 @@ def bar_postfix(lm: float, rec: float | None, tokens_per_s: float, bits_per_byte
     return postfix
 
 
-def check_layout(saved: dict | None, current: dict, carry: bool, say) -> None:
-    """Whether a run laid out as `current` may resume a checkpoint saved with the layout `saved` (None: a checkpoint
-    from before layouts were recorded, taken as the same). The data of a step is a function of the step, the global
-    batch and the window only, so with the same two the run continues exactly (to the order of float sums and, with
-    dropout and other processes, the random draws); with others the stream's lanes and windows are cut elsewhere,
-    which a run that carries memories cannot follow."""
-    if saved is None or all(saved[key] == current[key] for key in ("global_batch", "window")):
-        return
-
-    def described(layout: dict) -> str:
-        spread = (
-            f"{layout['processes']} processes x {layout['accumulation']} accumulation steps x {layout['rows']} rows"
-        )
-        return f"{layout['global_batch']} rows ({spread}) of {layout['window']} tokens"
-
-    was, now = described(saved), described(current)
-    if carry:
-        raise SystemExit(
-            f"--resume_from: the checkpoint carries memories for a global batch of {was}, this run's is {now}: pass "
-            f"--window {saved['window']} and --batch_size and --gradient_accumulation_steps whose product with the "
-            f"{current['processes']} processes is {saved['global_batch']}, or --no-carry_cache to start the memories "
-            "afresh"
-        )
-    say(f"resuming with a global batch of {now} instead of {was}: the data from here on differs from the saved run's")
-
-
-def carried_memories(folder: Path, layout, rank: int, device) -> list:
-    """This process's carried memories, one per accumulation micro-step (None: its lanes start afresh), rebuilt from
-    what every process of the saving run wrote: each file lists the stream lanes its memories' rows continue, so
-    the rows regroup for any number of processes and accumulation steps with the same global batch."""
-    from longrange.cache_compressive import CompressiveMemoryCache, cache_of_rows
-
-    held = {}  # lane -> (cache, row)
-    for file in sorted(folder.glob("stream_cache_rank*.pt")):
-        saved = torch.load(file, map_location="cpu", weights_only=False)
-        if isinstance(saved, list):  # older checkpoints: the saving rank's caches, for the same layout as this run
-            saving_rank = int(file.stem.removeprefix("stream_cache_rank"))
-            lanes = [range(layout.global_batch)[layout.rows_of(saving_rank, micro)] for micro in range(len(saved))]
-            saved = {"lanes": lanes, "caches": [None if c is None else c.state_dict() for c in saved]}
-        for lanes, state in zip(saved["lanes"], saved["caches"]):
-            if state is not None:
-                cache = CompressiveMemoryCache.from_state_dict(state)  # (on the CPU until regrouped)
-                held.update({lane: (cache, row) for row, lane in enumerate(lanes)})
-    caches = []
-    for micro in range(layout.accumulation):
-        lanes = range(layout.global_batch)[layout.rows_of(rank, micro)]
-        missing = [lane for lane in lanes if lane not in held]
-        if held and missing:
-            raise SystemExit(f"--resume_from: {folder} holds no carried memory for lanes {missing} of the stream")
-        caches.append(cache_of_rows([held[lane] for lane in lanes], device) if held else None)
-    return caches
-
-
 class TrainingRun:
     """One run of `longrange train`: built from the parsed options, then `resume()`, `train()`, `finish()`."""
 
@@ -176,6 +125,10 @@ class TrainingRun:
         self._build_model()
         self.state = TrainState()
         self.accelerator.register_for_checkpointing(self.scheduler, self.state)
+        # how this run spreads its global batch, recorded in its checkpoints
+        layout = dict(processes=self.world, accumulation=args.gradient_accumulation_steps, rows=args.batch_size,
+                      global_batch=self.global_batch, window=args.window)  # fmt: skip
+        self.checkpoints = Checkpoints(self.accelerator, self.output_dir, layout, self.batcher.layout, self.carry)
         self.caches: list = [None] * args.gradient_accumulation_steps  # one carried memory per micro-step's rows
         self.last_eval: dict | None = None
         self.last_losses: tuple[float, float | None] = (math.nan, None)  # the bar's: lm, reconstruction
@@ -228,9 +181,8 @@ class TrainingRun:
             )
 
     def resume(self) -> None:
-        """--resume_from: model, optimizer, scheduler, step, curves, RNG states and carried memories. The number of
-        processes, accumulation steps and rows per micro-step may differ from the run that saved the checkpoint
-        (see `check_layout`)."""
+        """--resume_from (a checkpoint folder, or "latest": the newest under --output_dir): model, optimizer,
+        scheduler, step, curves, RNG states and carried memories (see `Checkpoints.load`)."""
         args = self.args
         if not args.resume_from:
             return
@@ -242,30 +194,10 @@ class TrainingRun:
             resume = found[-1]
         if not resume.is_dir():
             raise SystemExit(f"--resume_from: no such checkpoint folder {resume}")
-        self.accelerator.load_state(str(resume))
-        saved, self.state.layout = self.state.layout, self.layout()
-        check_layout(saved, self.state.layout, self.carry, self.accelerator.print)
-        if self.carry:
-            self.caches = carried_memories(
-                resume, self.batcher.layout, self.accelerator.process_index, self.accelerator.device
-            )
+        carried = self.checkpoints.load(resume, self.state)
+        if carried is not None:
+            self.caches = carried
         self.accelerator.print(f"resumed from {resume} at step {self.state.step}")
-
-    def layout(self) -> dict[str, int]:
-        """How this run spreads its global batch (recorded in checkpoints)."""
-        return dict(processes=self.world, accumulation=self.args.gradient_accumulation_steps,
-                    rows=self.args.batch_size, global_batch=self.global_batch, window=self.args.window)  # fmt: skip
-
-    def save_checkpoint(self) -> None:
-        folder = self.output_dir / "checkpoints" / f"step_{self.state.step}"
-        self.state.layout = self.layout()
-        self.accelerator.save_state(str(folder))  # model, optimizer, scheduler, TrainState, every process's RNG
-        if self.carry:  # each process's memories, with the stream lanes their rows continue
-            layout, rank = self.batcher.layout, self.accelerator.process_index
-            lanes = [list(range(layout.global_batch)[layout.rows_of(rank, micro)]) for micro in range(len(self.caches))]
-            caches = [None if cache is None else cache.state_dict() for cache in self.caches]
-            torch.save({"lanes": lanes, "caches": caches}, folder / f"stream_cache_rank{rank}.pt")
-        self.accelerator.wait_for_everyone()
 
     def step(self) -> tuple[torch.Tensor, bool]:
         """One optimizer step over the accumulation micro-steps: the mean (loss, lm loss, reconstruction loss) of
@@ -321,7 +253,7 @@ class TrainingRun:
             self.bar.set_postfix(bar_postfix(*self.last_losses, self.tokens_per_s(), latest), refresh=False)
             self.bar.update(1)
             if args.save_every and state.step % args.save_every == 0 and state.step < args.max_steps:
-                self.save_checkpoint()
+                self.checkpoints.save(self.state, self.caches)
         self.elapsed = time.perf_counter() - self.started
 
     def tokens_per_s(self) -> float:
@@ -356,51 +288,15 @@ class TrainingRun:
             self.accelerator.log({f"validation/{k}": v for k, v in e.items()}, self.state.step)
         self.accelerator.wait_for_everyone()
 
-    def final_metrics(self, model) -> dict:
-        """Validation at the last step (the one the loop ran, else a new one), test, tokens/s, processes."""
-        args, history = self.args, self.state.history["validation"]
-        if not history or history[-1]["step"] != self.state.step:
-            self.last_eval = self._stream_scores(model, "validation", self.eval_batches)
-            history.append({"step": self.state.step, **self.last_eval})
-        metrics = dict(self.last_eval)
-        test_ids = self.streams.ids["test"]
-        if len(test_ids) >= args.window:
-            from longrange.data import eval_windows
-
-            batches = eval_windows(test_ids[: args.eval_tokens or None], args.window, args.eval_batch_size)
-            test = self._stream_scores(model, "test", [self.as_rows(b) for b in batches])
-            metrics.update({f"test_{k}": v for k, v in test.items()})
-        trained_tokens = (self.state.step - self.started_step) * self.global_batch * args.window
-        metrics["train_tokens_per_s"] = trained_tokens / max(1e-9, self.elapsed)
-        metrics["processes"] = self.world
-        metrics["replica_max_difference"] = self.replica_diff
-        return metrics
-
     def finish(self) -> dict:
-        """Last checkpoint, the model folder with tokenizer and card, metrics, curves, samples; the run's summary."""
-        args, output_dir = self.args, self.output_dir
-        self.save_checkpoint()
+        """Last checkpoint, then on the main process the model folder, metrics, curves and samples (`write_report`);
+        the run's summary."""
+        self.checkpoints.save(self.state, self.caches)
         model = final_model(self)
-        result = {"output_dir": str(output_dir), "steps": self.state.step, "parameters": self.n_params,
+        result = {"output_dir": str(self.output_dir), "steps": self.state.step, "parameters": self.n_params,
                   "train_history": self.state.history["train"]}  # fmt: skip
         if model is not None:
-            final = output_dir / "model"
-            model.save_pretrained(final)
-            self.tokenizer.save_pretrained(final)
-            result["metrics"] = metrics = self.final_metrics(model)
-            # the bar's last figures are the summary's: tokens/s over the whole run, validation at the last step
-            self.bar.set_postfix(bar_postfix(*self.last_losses, metrics["train_tokens_per_s"],
-                                             metrics.get("bits_per_byte")))  # fmt: skip
-            self.bar.close()
-            (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-            self.parts.write_card(final, model, self.tokenizer, self.corpus, metrics, args)
-            plot_curves(self.state.history, output_dir / "curves.png", title=f"{args.model} on {self.corpus.name}")
-            write_samples(self, model)
-            print(
-                f"done: {self.state.step} steps, {metrics['train_tokens_per_s']:,.0f} tokens/s; validation "
-                f"{metrics.get('bits_per_byte', float('nan')):.4f} bits/byte; wrote {final}, "
-                f"{output_dir / 'curves.png'}, {output_dir / 'samples.txt'}, {output_dir / 'metrics.json'}"
-            )
+            result["metrics"] = write_report(self, model)
         else:
             self.bar.close()
         self.accelerator.wait_for_everyone()
@@ -456,3 +352,48 @@ def final_model(run: TrainingRun):
         unwrapped.load_state_dict(full_state)
         unwrapped.to(accelerator.device)
     return unwrapped
+
+
+def final_metrics(run: TrainingRun, model) -> dict:
+    """Validation at the last step (the one the loop ran, else a new one), test, tokens/s, processes."""
+    args, state = run.args, run.state
+    history = state.history["validation"]
+    if not history or history[-1]["step"] != state.step:
+        run.last_eval = run._stream_scores(model, "validation", run.eval_batches)
+        history.append({"step": state.step, **run.last_eval})
+    metrics = dict(run.last_eval)
+    test_ids = run.streams.ids["test"]
+    if len(test_ids) >= args.window:
+        from longrange.data import eval_windows
+
+        batches = eval_windows(test_ids[: args.eval_tokens or None], args.window, args.eval_batch_size)
+        test = run._stream_scores(model, "test", [run.as_rows(b) for b in batches])
+        metrics.update({f"test_{k}": v for k, v in test.items()})
+    trained_tokens = (state.step - run.started_step) * run.global_batch * args.window
+    metrics["train_tokens_per_s"] = trained_tokens / max(1e-9, run.elapsed)
+    metrics["processes"] = run.world
+    metrics["replica_max_difference"] = run.replica_diff
+    return metrics
+
+
+def write_report(run: TrainingRun, model) -> dict:
+    """The main process's end of a run: the model folder with tokenizer and card, the final metrics (returned) in
+    metrics.json, the curves, the samples and a last line naming what it wrote."""
+    args, output_dir = run.args, run.output_dir
+    final = output_dir / "model"
+    model.save_pretrained(final)
+    run.tokenizer.save_pretrained(final)
+    metrics = final_metrics(run, model)
+    # the bar's last figures are the summary's: tokens/s over the whole run, validation at the last step
+    run.bar.set_postfix(bar_postfix(*run.last_losses, metrics["train_tokens_per_s"], metrics.get("bits_per_byte")))
+    run.bar.close()
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    run.parts.write_card(final, model, run.tokenizer, run.corpus, metrics, args)
+    plot_curves(run.state.history, output_dir / "curves.png", title=f"{args.model} on {run.corpus.name}")
+    write_samples(run, model)
+    print(
+        f"done: {run.state.step} steps, {metrics['train_tokens_per_s']:,.0f} tokens/s; validation "
+        f"{metrics.get('bits_per_byte', float('nan')):.4f} bits/byte; wrote {final}, "
+        f"{output_dir / 'curves.png'}, {output_dir / 'samples.txt'}, {output_dir / 'metrics.json'}"
+    )
+    return metrics
