@@ -25,6 +25,7 @@ from .cache_compressive_static import (
     static_tensors,
     to_compact,
     to_static,
+    widen_compressed_ring,
 )
 
 
@@ -44,10 +45,9 @@ class CompressiveMemoryLayer:
     [batch, slots, hidden] holds the compressed-memory ring then the token ring, `ring_keys` / `ring_values`
     [batch, heads, slots, d_head] their projections, `ring_real` [batch, slots] whether a slot holds a real token
     (or a compressed slot with a real source), `ring_usage` [batch, slots] the attention received ("most_used").
-    `grouped*` [batch, groups, ...]: each group of `compression_rate` tokens compressed (and projected) as soon as
-    it is complete (grouped compressions), so an eviction only copies entries; `leading*` (dilated convolution
-    only) the same groups compressed as the first of an eviction block (the convolution reads the group before
-    otherwise).
+    Grouped compressions (all but "most_used"): the compressed ring also holds the groups of the held tokens,
+    compressed ahead of their eviction; `leading*` [batch, groups, ...] (dilated convolution only) each group
+    compressed as the first of an eviction block (the convolution reads the group before otherwise).
 
     `rel_table` [heads, d_head, capacity]: the projected relative encodings of distances capacity-1 ... 0, kept by
     inference forwards in both forms.
@@ -76,10 +76,6 @@ class CompressiveMemoryLayer:
         "ring_values",
         "ring_real",
         "ring_usage",
-        "grouped",
-        "grouped_keys",
-        "grouped_values",
-        "grouped_valid",
         "leading",
         "leading_keys",
         "leading_values",
@@ -296,7 +292,7 @@ class CompressiveMemoryCache(Cache):
         self.seen_counter = None  # static form: the same as a 0-dim long tensor, updated in place
         self._layout = None  # StaticLayout, set by the model when it first builds the static form
         self._host_rows = None  # static form: each row's (seen, start, pending, compressed) when known on the host
-        self._groups_ready = False  # static form: whether the group buffers hold every held group
+        self._groups_ready = False  # static form: whether every held group is compressed ahead (materialize_groups)
         self._step_geometry = None  # the last eager step's slot geometry, while it can be moved on by one token
         for name in self._ROWS:
             setattr(self, name, None)
@@ -463,7 +459,10 @@ class CompressiveMemoryCache(Cache):
             cache._groups_ready = bool(static["groups_ready"])
             for name in cls._ROWS:
                 setattr(cache, name, _place(static["rows"][name], device))
-            _restore_fields(cache.layers, static["layers"], cls._SAVED_STATIC, device)
+            # a static form saved by an earlier release: separate group buffers (now the compressed ring's own)
+            saved = [{k: v for k, v in fields.items() if not k.startswith("grouped")} for fields in static["layers"]]
+            _restore_fields(cache.layers, saved, cls._SAVED_STATIC, device)
+            widen_compressed_ring(cache)
             cache.seen_counter = torch.full((), cache.seen_tokens, dtype=torch.long, device=cache.rows_seen.device)
             mark_static_addresses(cache)
         return cache
@@ -475,7 +474,7 @@ class CompressiveMemoryCache(Cache):
         for layer, state in zip(layers, self.layers):
             state.prepare_projections(layer, layout.capacity, state.mem)
         to_static(self, layout)
-        if layout.grouped:  # the group buffers exist before any (compiled) step writes them in place
+        if layout.grouped:  # the leading group buffers exist before any (compiled) step writes them in place
             allocate_groups(self, layers)
         mark_static_addresses(self)
 

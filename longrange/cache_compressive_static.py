@@ -32,10 +32,12 @@ class StaticLayout:
     compressed entry e (q - start) + (compressed - e): exactly its distance in the compact layout
     [c_mem, mem, pending].
     Evictions take whole groups of `rate` tokens (start is a multiple of the rate; the rate is 1 when c_mem_len is
-    0: Transformer-XL, nothing compressed, no compressed slots). With a compression that maps each group to one
-    entry on its own (`grouped`: all but "most_used"), each group (token a in group a // rate) is compressed and
-    projected as soon as it is complete, into group slot (a // rate) % groups of separate buffers; an eviction
-    copies its groups' entries into the compressed slots.
+    0: Transformer-XL, nothing compressed, no compressed slots). Compressed entry e is always made from group e
+    (tokens [rate e, rate (e + 1))), since start = rate * compressed. With a compression that maps each group to one
+    entry on its own (`grouped`: all but "most_used"), branch-free steps compress and project each group while its
+    tokens arrive, straight into the compressed slot it will hold once evicted (the compressed ring has room for
+    every held group beside the compressed memory, unseen until evicted): an eviction copies nothing (the dilated
+    convolution: one entry, its block's first group compressed alone, from the `leading` group buffers).
     A cache that can be cropped by up to `margin` tokens keeps `margin` more token and group slots, and compressed
     slots for the entries of the completions a crop may undo, with the counters before its last `history`
     completions: a crop then only rewinds the counters.
@@ -83,9 +85,11 @@ class StaticLayout:
 
     @property
     def c_ring(self) -> int:
-        # one eviction's entries land in distinct slots; those of the completions a crop undoes stay
+        # one eviction's entries land in distinct slots; those of the completions a crop undoes stay; grouped: the
+        # groups of the held tokens too (compressed ahead of their eviction, into the slots they will hold)
         undone = self.history - 1 if self.margin else 0
-        return max(self.c_mem_len, self.max_new_entries) + undone * self.max_new_entries
+        ahead = self.groups if self.grouped else 0
+        return max(self.c_mem_len, self.max_new_entries) + undone * self.max_new_entries + ahead
 
     @property
     def slots(self) -> int:
@@ -201,55 +205,78 @@ def to_compact(cache) -> None:
 
 
 def materialize_groups(cache, compressors) -> None:
-    """Compresses (and projects) every group of every row's held tokens into the group buffers, which
-    branch-free decoding steps then keep current (eager steps that follow the fills on the host compress at
-    eviction instead and leave the buffers stale). Groups are aligned on `start` (a multiple of the rate): the
-    first one is compressed as the first of a block (the oldest group is always evicted first)."""
+    """Compresses (and projects) every group of every row's held tokens into the compressed slot it will hold
+    once evicted, which branch-free decoding steps then keep current (eager steps that follow the fills on the host
+    compress at eviction instead and leave these slots stale; they are unseen until evicted). Groups are aligned on
+    `start` (a multiple of the rate): the first one is compressed as the first of a block (the oldest group is
+    always evicted first). The dilated convolution also keeps each group compressed alone (`leading*`)."""
     layout = cache._layout
     rate, count = layout.rate, layout.groups - 2  # ceil(ring / rate): every held group
     start = cache.rows_start
     tokens = start[:, None] + torch.arange(count * rate, device=start.device)  # [batch, count * rate]
     slots = layout.c_ring + tokens % layout.ring
     in_ring = tokens < cache.rows_seen[:, None]
-    group_slots = ((start // rate)[:, None] + torch.arange(count, device=start.device)) % layout.groups
+    groups = (start // rate)[:, None] + torch.arange(count, device=start.device)
+    dilated = [state for c, state in zip(compressors, cache.layers) if isinstance(c.compress, DilatedConvCompression)]
+    if any(state.leading is None for state in dilated):  # a static form from an older release's state_dict
+        allocate_groups(cache, compressors)
     for compressor, state in zip(compressors, cache.layers):
         batch, hidden = state.ring.shape[0], state.ring.shape[-1]
         block = gather_slots(state.ring, slots)
         block_valid = gather_slots(state.ring_real, slots) & in_ring
-        variants = [("grouped", compressor.compress_memory(block, block_valid))]
+        variants = [(_attended(state), groups % layout.c_ring, compressor.compress_memory(block, block_valid))]
         if isinstance(compressor.compress, DilatedConvCompression):  # each group also compressed alone
             alone = compressor.compress_memory(
                 block.reshape(batch * count, rate, hidden), block_valid.reshape(-1, rate)
             )
-            variants.append(("leading", (alone[0].view(batch, count, hidden), alone[1].view(batch, count))))
-        for name, (compressed, compressed_valid) in variants:
-            values = (compressed, *compressor.project_memory(compressed), compressed_valid)
-            for suffix, value in zip(("", "_keys", "_values", "_valid"), values):
-                buffer = getattr(state, name + suffix)
-                if buffer is None:  # a static form from an older release's state_dict (`to_static` allocates)
-                    shape = list(value.shape)
-                    shape[slot_dim(value)] = layout.groups
-                    buffer = value.new_zeros(shape)
-                    setattr(state, name + suffix, buffer)
-                else:
-                    buffer.zero_()
-                buffer.scatter_(slot_dim(buffer), slot_index(buffer, group_slots), value)
+            alone = alone[0].view(batch, count, hidden), alone[1].view(batch, count)
+            variants.append((_leading(state), groups % layout.groups, alone))
+        for buffers, slot, (compressed, compressed_valid) in variants:
+            for buffer, value in zip(buffers, (compressed, *compressor.project_memory(compressed), compressed_valid)):
+                put_along(buffer, slot_dim(buffer), slot, value)
     cache._groups_ready = True
 
 
 def allocate_groups(cache, compressors) -> None:
-    """The group buffers of every layer, zeroed, for `materialize_groups` to fill in place (a compiled step must
-    not allocate what later steps write)."""
+    """The dilated convolution's `leading*` group buffers of every layer, zeroed, for `materialize_groups` to fill
+    in place (a compiled step must not allocate what later steps write)."""
     groups = cache._layout.groups
     for compressor, state in zip(compressors, cache.layers):
-        batch, hidden = state.ring.shape[0], state.ring.shape[-1]
-        heads, head_dim = state.ring_keys.shape[1], state.ring_keys.shape[3]
-        leading = isinstance(compressor.compress, DilatedConvCompression)
-        for name in ("grouped", "leading") if leading else ("grouped",):
-            setattr(state, name, state.ring.new_zeros(batch, groups, hidden))
-            setattr(state, name + "_keys", state.ring_keys.new_zeros(batch, heads, groups, head_dim))
-            setattr(state, name + "_values", state.ring_keys.new_zeros(batch, heads, groups, head_dim))
-            setattr(state, name + "_valid", state.ring_real.new_zeros(batch, groups))
+        if isinstance(compressor.compress, DilatedConvCompression):
+            batch, hidden = state.ring.shape[0], state.ring.shape[-1]
+            heads, head_dim = state.ring_keys.shape[1], state.ring_keys.shape[3]
+            state.leading = state.ring.new_zeros(batch, groups, hidden)
+            state.leading_keys = state.ring_keys.new_zeros(batch, heads, groups, head_dim)
+            state.leading_values = state.ring_keys.new_zeros(batch, heads, groups, head_dim)
+            state.leading_valid = state.ring_real.new_zeros(batch, groups)
+
+
+@torch.no_grad()
+def widen_compressed_ring(cache) -> None:
+    """A static form saved before the compressed ring held the groups compressed ahead (an older release's
+    `state_dict`, its ring narrower than the layout's): every compressed entry moves to its slot in the wider ring
+    (entry e in slot e % c_ring), the token slots follow it, and the next branch-free step compresses the held
+    groups anew (`materialize_groups`)."""
+    layout = cache._layout
+    old = cache.layers[0].ring.shape[1] - layout.ring  # the saved compressed ring's size
+    if old == layout.c_ring:
+        return
+    device = cache.rows_compressed.device
+    slots = torch.arange(old, device=device)
+    compressed = cache.rows_compressed[:, None]
+    entry = slots + old * torch.div(compressed - 1 - slots, old, rounding_mode="floor")  # newest entry in each slot
+    moved = entry % layout.c_ring  # [batch, old]: distinct (old < c_ring consecutive entries)
+    for state in cache.layers:
+        for name in ("ring", "ring_keys", "ring_values", "ring_real"):
+            buffer = getattr(state, name)
+            dim = slot_dim(buffer)
+            wide = list(buffer.shape)
+            wide[dim] = layout.slots
+            widened = buffer.new_zeros(wide)
+            widened.narrow(dim, layout.c_ring, layout.ring).copy_(buffer.narrow(dim, old, layout.ring))
+            widened.scatter_(dim, slot_index(widened, moved), buffer.narrow(dim, 0, old))
+            setattr(state, name, widened)
+    cache._groups_ready = False
 
 
 def static_tensors(cache) -> dict[str, torch.Tensor]:
@@ -412,12 +439,11 @@ class DecodeStep:
         cache, layout, rate = self.cache, self.layout, self.layout.rate
         if not cache._groups_ready:
             materialize_groups(cache, compressors)
-        start, device = cache.rows_start, self.write.device
+        device = self.write.device
         self.group = cache.rows_seen // rate
         span = 2 * rate if cache.layers[0].leading is not None else rate
         self.group_tokens = self.group[:, None] * rate + torch.arange(rate - span, rate, device=device)
         self.group_slots = layout.c_ring + self.group_tokens % layout.ring
-        self.sources = ((start // rate)[:, None] + self.entry_index) % layout.groups  # the evicted groups' slots
 
     def write_token(self, state, hidden_states: torch.Tensor) -> torch.Tensor:
         """Stores the token [batch, 1, hidden] in its slot; returns the attention mask [batch, 1, 1, slots] (the
@@ -434,7 +460,11 @@ class DecodeStep:
             if self.segments_complete:  # the evicted blocks compressed at once, as the compact form does
                 self._compress_evicted_blocks(state, compressor)
         elif layout.grouped:
-            self._copy_group_entries(state, compressor)
+            self._compress_group(state, compressor)
+            if state.leading is not None:  # the first evicted group as the convolution sees it there: alone
+                first = (self.cache.rows_start // layout.rate % layout.groups)[:, None]
+                for buffer, lead in zip(_attended(state), _leading(state)):
+                    write_slots(buffer, self.targets[:, :1], self.takes[:, :1], gather_slots(lead, first))
         elif state.ring_usage is not None:  # most used: the chosen tokens are copied into the compressed slots
             received = weights.float().sum(dim=(1, 2)) * self.token_valid[:, None]  # [batch, slots]
             state.ring_usage.scatter_(1, self.write[:, None], 0.0).add_(received)
@@ -457,33 +487,20 @@ class DecodeStep:
         for buffer, values in zip(_attended(state), entries):
             write_slots(buffer, self.targets, self.takes, values)
 
-    def _copy_group_entries(self, state, compressor) -> None:
-        self._compress_group(state, compressor)
-        entries = [gather_slots(buffer, self.sources) for buffer in _grouped(state, "grouped")]
-        if state.leading is not None:  # a block's first group, as the convolution sees it there
-            entries = [
-                torch.cat([gather_slots(lead, self.sources[:, :1]), rest.narrow(dim, 1, rest.shape[dim] - 1)], dim=dim)
-                for lead, rest, dim in ((a, b, slot_dim(b)) for a, b in zip(_grouped(state, "leading"), entries))
-            ]
-        for buffer, values in zip(_attended(state), entries):  # (branch-free: every step may complete a segment)
-            write_slots(buffer, self.targets, self.takes, values)
-
     def _compress_group(self, state, compressor) -> None:
-        """Compresses the group of the newest token (with the group before it for the dilated convolution) into
-        its group slot, projected."""
-        hidden = state.ring.shape[-1]
+        """Compresses the group of the newest token (with the group before it for the dilated convolution),
+        projected, into the compressed slot it will hold once evicted (and alone into its `leading` group slot)."""
+        hidden, rate = state.ring.shape[-1], self.layout.rate
         members = state.ring.gather(1, self.group_slots[..., None].expand(-1, -1, hidden))  # [batch, span, hidden]
         real = state.ring_real.gather(1, self.group_slots) & (self.group_tokens >= 0)
-        slot = (self.group % self.layout.groups)[:, None]
         compressed, compressed_valid = (t[:, -1:] for t in compressor.compress_memory(members, real))
-        targets = [_grouped(state, "grouped")]
+        targets = [(_attended(state), (self.group % self.layout.c_ring)[:, None])]
         results = [(compressed, *compressor.project_memory(compressed), compressed_valid)]  # [batch, 1, ...] each
         if state.leading is not None:
-            rate = self.layout.rate
             compressed, compressed_valid = compressor.compress_memory(members[:, -rate:], real[:, -rate:])
-            targets.append(_grouped(state, "leading"))
+            targets.append((_leading(state), (self.group % self.layout.groups)[:, None]))
             results.append((compressed, *compressor.project_memory(compressed), compressed_valid))
-        for buffers, values in zip(targets, results):
+        for (buffers, slot), values in zip(targets, results):
             for buffer, value in zip(buffers, values):
                 put_along(buffer, slot_dim(buffer), slot, value)
 
@@ -547,6 +564,6 @@ def _attended(state) -> tuple[torch.Tensor, ...]:
     return state.ring, state.ring_keys, state.ring_values, state.ring_real
 
 
-def _grouped(state, name: str) -> tuple[torch.Tensor, ...]:
-    # the group buffers "grouped" or "leading": compressed groups, their keys and values, their validity
-    return tuple(getattr(state, name + suffix) for suffix in ("", "_keys", "_values", "_valid"))
+def _leading(state) -> tuple[torch.Tensor, ...]:
+    # the dilated convolution's group buffers: each group compressed alone, its keys and values, its validity
+    return state.leading, state.leading_keys, state.leading_values, state.leading_valid

@@ -98,11 +98,12 @@ def test_cache_size_stays_constant_while_generating():
         sizes = []
         for _ in range(new_tokens):
             out = model(out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
-            # decoding keeps the static form: fixed-size buffers written in place (3 slots for the compressed memory,
-            # 10 for a memory and a segment) and per-row counters
+            # decoding keeps the static form: fixed-size buffers written in place (3 slots for the compressed memory
+            # and 7 for the groups of held tokens compressed ahead: ceil(10 / 2) + 2; 10 for a memory and a segment)
+            # and per-row counters
             assert out.cache.is_static
             buffers = {(layer.ring.shape, layer.ring_keys.shape) for layer in out.cache.layers}
-            assert buffers == {((1, 13, 32), (1, 4, 13, 8))}
+            assert buffers == {((1, 20, 32), (1, 4, 20, 8))}
             sizes.append(out.cache.row_lengths()[0])  # (compressed, memory, unfinished segment)
     assert out.cache.get_seq_length() == 3 + new_tokens
     # once full (after a few segments), compressed memory and memory keep the same size for good;

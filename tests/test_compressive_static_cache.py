@@ -8,13 +8,14 @@ per-prompt generation checked against greedy decoding by full recomputation.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from test_compressive_model import COMPRESSIONS, VOCAB, tiny_model  # noqa: F401
 from transformers import CompileConfig, pipeline
 
-from longrange import CompressiveMemoryCache
+from longrange import CompressiveForCausalLM, CompressiveMemoryCache
 from longrange.tokenization import byte_tokenizer
 from tests.dispatch_utils import (
     count_dispatched_ops,
@@ -265,3 +266,31 @@ def test_most_used_compression_refuses_assisted_decoding_clearly():
         model.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False)
     with pytest.raises(ValueError, match="most_used"):
         model(prompt, cache=CompressiveMemoryCache(2, crop_margin=4), use_cache=True)
+
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["compressive_conv1d_pre", "compressive_dilated_conv_post"])
+def test_a_static_cache_saved_by_an_earlier_release_decodes_as_it_did(name):
+    """`tests/fixtures/static_cache/` (tools/make_static_cache_fixture.py, at the commit in its made_with.json):
+    a static cache saved mid-decoding, rows at different fills, before the compressed ring held the groups compressed
+    ahead, and the logits of the next 12 steps (an eviction among them) as that code gave them. Loaded now, the
+    cache is widened and decodes the same; saved and loaded again in today's layout, it still does."""
+    model = CompressiveForCausalLM.from_pretrained(FIXTURE / "compat" / name).eval()
+    state = torch.load(FIXTURE / "static_cache" / f"{name}.pt", weights_only=True)
+    expected = torch.load(FIXTURE / "static_cache" / f"{name}.expected.pt", weights_only=True)
+    cache = CompressiveMemoryCache.from_state_dict(state)
+    assert cache.layers[0].ring.shape[1] > state["static"]["layers"][0]["ring"].shape[1]  # the layout did change
+    steps = expected["tokens"].shape[1]
+    mask = expected["mask"][:, : expected["mask"].shape[1] - steps]
+    logits = []
+    with torch.no_grad():
+        for i in range(steps):
+            if i == steps // 2:  # today's layout round-trips
+                cache = CompressiveMemoryCache.from_state_dict(copy.deepcopy(cache.state_dict()))
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(expected["tokens"][:, i : i + 1], attention_mask=mask, cache=cache, use_cache=True)
+            cache = out.cache
+            logits.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(logits, 1), expected["logits"], rtol=0, atol=1e-5)
