@@ -154,7 +154,7 @@ def to_static(cache, layout: StaticLayout) -> None:
     tokens = layout.c_ring + (first + torch.arange(held, device=device)) % layout.ring  # [held] token slots
     for state in cache.layers:
         _layer_to_static(state, layout, c_len, tokens)
-    cache._groups_ready = False  # the group buffers: see materialize_groups (CompressiveMemoryCache.to_static)
+    cache._groups_ready = False  # the groups compressed ahead: see materialize_groups
 
 
 def _layer_to_static(state, layout: StaticLayout, c_len: int, tokens: torch.Tensor) -> None:

@@ -65,8 +65,8 @@ class ExportableDecoder(nn.Module):
         self.prompt_logits = out.logits[:, -1]
         cache = self.cache
         if isinstance(cache, CompressiveMemoryCache) and cache._layout.grouped and not cache._groups_ready:
-            # Every traced step keeps the group buffers current; a step that finds them stale compresses every held
-            # group first, and a trace of it would do so at every call (7x the step's time at hidden 512 x 6).
+            # Every traced step keeps the groups compressed ahead current; a step that finds them stale compresses
+            # every held group first, and a trace of it would do so at every call (7x the step's time at 512 x 6).
             with torch.no_grad():
                 materialize_groups(cache, model.model.layers)
         for name, tensor in self.cache.state_tensors().items():
