@@ -288,6 +288,8 @@ class CompressiveMemoryCache(Cache):
         # set by generate(): no-grad multi-token calls leave the cache in the static form, so that the decoding steps
         # that follow (compiled ones too) find its buffers allocated (a CUDA graph must not allocate what it mutates)
         self.prefill_to_static = False
+        # set by generate(): it compiles the decoding steps (the prompt's forward compresses the groups ahead for them)
+        self.steps_compiled = False
         self._seen_host = 0  # tokens seen, padding included, on the host (None after compiled steps: see count)
         self.seen_counter = None  # static form: the same as a 0-dim long tensor, updated in place
         self._layout = None  # StaticLayout, set by the model when it first builds the static form

@@ -237,6 +237,15 @@ def materialize_groups(cache, compressors) -> None:
     cache._groups_ready = True
 
 
+@torch.no_grad()
+def compress_groups_ahead(cache, compressors) -> None:
+    """Static form, before branch-free decoding steps (compiled or exported): every held group compressed ahead
+    (`materialize_groups`) unless it is already. The first such step would do it otherwise: a step of its own, which
+    compiles to a second, larger graph, and which a traced step would repeat at every call."""
+    if cache._layout.grouped and not cache._groups_ready:
+        materialize_groups(cache, compressors)
+
+
 def allocate_groups(cache, compressors) -> None:
     """The dilated convolution's `leading*` group buffers of every layer, zeroed, for `materialize_groups` to fill
     in place (a compiled step must not allocate what later steps write)."""

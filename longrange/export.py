@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .cache_compressive import CompressiveMemoryCache
-from .cache_compressive_static import materialize_groups
+from .cache_compressive_static import compress_groups_ahead
 from .cache_sinkhorn import SinkhornCache
 from .modeling_compressive import CompressiveForCausalLM
 from .modeling_sinkhorn import SinkhornForCausalLM
@@ -64,11 +64,8 @@ class ExportableDecoder(nn.Module):
             out = model(input_ids, attention_mask=attention_mask, cache=self.cache, use_cache=True)
         self.prompt_logits = out.logits[:, -1]
         cache = self.cache
-        if isinstance(cache, CompressiveMemoryCache) and cache._layout.grouped and not cache._groups_ready:
-            # Every traced step keeps the groups compressed ahead current; a step that finds them stale compresses
-            # every held group first, and a trace of it would do so at every call (7x the step's time at 512 x 6).
-            with torch.no_grad():
-                materialize_groups(cache, model.model.layers)
+        if isinstance(cache, CompressiveMemoryCache):  # (a traced step that compressed them would do so at every
+            compress_groups_ahead(cache, model.model.layers)  # call: 7x the step's time at 512 x 6)
         for name, tensor in self.cache.state_tensors().items():
             self.register_buffer(name.replace(".", "_"), tensor, persistent=False)
 

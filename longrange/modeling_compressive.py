@@ -481,8 +481,10 @@ class CompressiveForCausalLM(CompressivePreTrainedModel, GenerationMixin):
             if assisted and not self.model.track_usage:
                 margin = max(64, 2 * self.config.segment_length, (generation_config.max_new_tokens or 0) + 1)
             model_kwargs[CACHE_NAME] = CompressiveMemoryCache(self.config.num_hidden_layers, crop_margin=margin)
-        if isinstance(model_kwargs.get(CACHE_NAME), CompressiveMemoryCache):
-            model_kwargs[CACHE_NAME].prefill_to_static = True  # decoding steps follow the prompt's forward
+        cache = model_kwargs.get(CACHE_NAME)
+        if isinstance(cache, CompressiveMemoryCache):
+            cache.prefill_to_static = True  # decoding steps follow the prompt's forward
+            cache.steps_compiled = self._valid_auto_compile_criteria(model_kwargs, generation_config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
 
     def forward(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache_compressive import CompressiveMemoryCache, StaticLayout
+from .cache_compressive_static import compress_groups_ahead
 from .layers import distance_encodings, real_tokens_first
 
 
@@ -146,6 +147,8 @@ class SegmentRunner:
                 self._to_static(self.cache, hidden_states)
             for t in range(head, seq_len):
                 runs.append(self._decode_step(hidden_states[:, t : t + 1], valid[:, t], tokens_real=not masked))
+            if seq_len > 1 and self.cache.steps_compiled and not torch.compiler.is_compiling():
+                compress_groups_ahead(self.cache, self.layers)  # (else the first compiled step: a graph of its own)
         run = LayerRun.concatenate(runs)
         return run.without_padding(valid) if masked else run
 

@@ -192,9 +192,10 @@ def test_generate_compiles_decoding_on_the_cpu_when_asked_and_equals_eager_and_u
     torch._dynamo.reset()
     records, processors = record_cache_addresses(model, monkeypatch)
     compiled = model.generate(ids, logits_processor=processors, **settings)
-    # the decoding steps compiled: once, and once more after the first step fills the group buffers (16 steps, no
-    # recompilation as the count of tokens grows), into graphs that take no Python number (CUDA graphs re-record)
-    assert 1 <= len(graphs) <= 2 and number_inputs(graphs) == []
+    # the decoding steps compiled once (16 steps, no recompilation as the count of tokens grows: the prompt's forward
+    # compressed the groups ahead, which the first step would have done in a graph of its own), into a graph that
+    # takes no Python number (CUDA graphs re-record)
+    assert len(graphs) == 1 and number_inputs(graphs) == []
     assert torch.equal(compiled, eager)
     # what CUDA graphs need: the prompt's forward allocates the static form, the steps only write into it
     assert len(records) == 16 and moved_tensors(records) == []
@@ -202,6 +203,20 @@ def test_generate_compiles_decoding_on_the_cpu_when_asked_and_equals_eager_and_u
         assert torch.equal(
             compiled[row, ids.shape[1] :], greedy_by_full_recomputation(model, prompt, 16)[len(prompt) :]
         )
+
+
+def test_only_a_generate_that_compiles_compresses_the_groups_ahead_at_the_prompt():
+    """Eager steps compress at eviction: an eager generate() pays nothing for the groups compressed ahead."""
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    settings = dict(max_new_tokens=1, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    eager = model.generate(ids, disable_compile=True, **settings)
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True
+    compiled = model.generate(ids, compile_config=config, **settings)  # (one token: no step is compiled)
+    caches = [getattr(out, "cache", None) or out.past_key_values for out in (eager, compiled)]
+    assert model.model.layers[0].compress is not None and caches[0]._layout.grouped
+    assert [(c.steps_compiled, c._groups_ready) for c in caches] == [(False, False), (True, True)]
 
 
 @pytest.mark.parametrize(
