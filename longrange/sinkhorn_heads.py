@@ -461,7 +461,8 @@ class CausalSinkhornHeads(CausalDecoding, nn.Module):
         out = self._attend(bq, routed, bank, terms, placed, attn_weights, k.shape[2])
         if record is not None:
             self._record(record, q_sums, terms.counted, idx, picked_valid, scale, bank, k)
-        return F.pad(out.reshape(b, h, -1, d), (0, 0, first * self.bucket_size, 0))
+        out = out.reshape(b, h, -1, d)
+        return F.pad(out, (0, 0, first * self.bucket_size, 0)) if first else out  # (a zero pad would copy)
 
     def _query_summaries(self, q, bq, terms: CausalTerms):
         """-> the per-bucket query sums [b, h, n, d] of the counted tokens and, per bucket, the mean of the queries

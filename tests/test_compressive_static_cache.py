@@ -16,6 +16,7 @@ from test_compressive_model import COMPRESSIONS, VOCAB, tiny_model  # noqa: F401
 from transformers import CompileConfig, pipeline
 
 from longrange import CompressiveForCausalLM, CompressiveMemoryCache
+from longrange.compat import CACHE_NAME
 from longrange.tokenization import byte_tokenizer
 from tests.dispatch_utils import (
     count_dispatched_ops,
@@ -214,7 +215,7 @@ def test_only_a_generate_that_compiles_compresses_the_groups_ahead_at_the_prompt
     config = CompileConfig(backend="eager")
     config._compile_all_devices = True
     compiled = model.generate(ids, compile_config=config, **settings)  # (one token: no step is compiled)
-    caches = [getattr(out, "cache", None) or out.past_key_values for out in (eager, compiled)]
+    caches = [getattr(out, CACHE_NAME) for out in (eager, compiled)]
     assert model.model.layers[0].compress is not None and caches[0]._layout.grouped
     assert [(c.steps_compiled, c._groups_ready) for c in caches] == [(False, False), (True, True)]
 

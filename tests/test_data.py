@@ -85,7 +85,20 @@ def test_default_corpus_is_the_standard_library_sources():
     )
 
 
-def test_bad_paths_empty_files_and_offline_hub_names_raise_clear_errors(tmp_path, play_file):
+def hub_offline(monkeypatch) -> None:
+    """The Hub unreachable at once, as offline mode makes it (datasets and huggingface_hub read the variables at
+    import, which an earlier test module may have done): without it, asking for a Hub name on a machine without a
+    connection to the Hub retries for about 20 s before failing."""
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_bad_paths_empty_files_and_offline_hub_names_raise_clear_errors(tmp_path, play_file, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         load_corpus(tmp_path / "missing.txt")
     (tmp_path / "empty.txt").write_bytes(b"")
@@ -97,7 +110,10 @@ def test_bad_paths_empty_files_and_offline_hub_names_raise_clear_errors(tmp_path
     empty_dir.mkdir()
     with pytest.raises(FileNotFoundError, match="contains no files"):
         load_corpus(empty_dir)
-    with pytest.raises(FileNotFoundError, match="neither a local file or folder nor a loadable Hub dataset"):
+    hub_offline(monkeypatch)
+    with pytest.raises(
+        FileNotFoundError, match="neither a local file or folder nor a loadable Hub dataset .*cannot be"
+    ):
         load_corpus("some-user/some-dataset-that-is-not-here")
     with pytest.raises(ValueError, match="split"):
         load_corpus(play_file, split=(0.5, 0.2))
