@@ -411,6 +411,8 @@ class SinkhornModel(SinkhornPreTrainedModel):
             hidden, mask = permute_tokens(hidden, order), mask.gather(1, order)
         size = self.config.bucket_size  # padded to (length + size - 1) // size buckets: a multiple (torch.export)
         pad = (hidden.shape[1] + size - 1) // size * size - hidden.shape[1]
+        if isinstance(pad, int) and pad == 0:  # whole buckets already (a symbolic length pads: no guard on it)
+            return hidden, mask, back
         return F.pad(hidden, (0, 0, 0, pad)), F.pad(mask, (0, pad), value=False), back
 
     def _run_layers(self, hidden, shared: dict, cache, looks: list, length: int, back, output_hidden_states: bool):
