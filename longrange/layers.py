@@ -123,10 +123,10 @@ def attend(
         out = torch.matmul(probs, value)
     if mask is not None:
         # a query with no visible key attends to nothing: output exactly zero
-        any_visible = mask.any(dim=-1, keepdim=True)
-        out = out * any_visible.to(out.dtype)
+        any_visible = mask.any(dim=-1, keepdim=True)  # (bool: the product keeps the float dtype, with no cast)
+        out = out * any_visible
         if probs is not None:
-            probs = probs * any_visible.to(probs.dtype)
+            probs = probs * any_visible
     if return_weights:
         return out, probs
     return out
