@@ -89,7 +89,7 @@ def hub_offline(monkeypatch) -> None:
     """The Hub unreachable at once, as offline mode makes it (datasets and huggingface_hub read the variables at
     import, which an earlier test module may have done): without it, asking for a Hub name on a machine without a
     connection to the Hub retries for about 20 s before failing."""
-    datasets = pytest.importorskip("datasets")
+    import datasets  # (a dependency of the package: imported here, where the test needs it)
     import huggingface_hub.constants
 
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
